@@ -1,0 +1,25 @@
+# `make train` and `make test` each create .venv on first use and install jaxtron into it.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.jaxtron-installed
+CPU_DEVICES := XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu
+
+.PHONY: train test install clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+train: $(STAMP)
+	$(CPU_DEVICES) $(PY) -m jaxtron.train --config configs/tiny.yaml $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q $(ARGS)
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

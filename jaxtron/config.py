@@ -1,0 +1,326 @@
+"""One frozen config tree, loaded from a short YAML file plus dotted command-line overrides.
+
+    python -m jaxtron.train --config configs/tiny.yaml train.steps=50 model.num_layers=4
+
+Every field is declared once, here, with its type, default and a one-line meaning (the `help`
+metadata, which `--help` prints). Loading checks unknown keys, types and impossible combinations and
+raises `ConfigError` naming the field path and the fix. Values that follow from others (head_dim,
+the resolved number of kv heads) are properties, never stored twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from jaxtron.errors import ConfigError
+
+
+def _f(default, help: str, choices: tuple | None = None):
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+REMAT_POLICIES = ("none", "full", "save_dots")
+ATTENTION_IMPLS = ("auto", "xla", "cudnn")
+MODEL_TYPES = ("llama", "gpt2")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    type: str = _f("llama", "architecture family: llama (RMSNorm, RoPE, SwiGLU, GQA, untied) "
+                   "or gpt2 (LayerNorm, learned positions, GELU, tied)", MODEL_TYPES)
+    num_layers: int = _f(2, "number of transformer blocks")
+    d_model: int = _f(128, "residual stream width")
+    num_heads: int = _f(4, "query heads")
+    num_kv_heads: int | None = _f(None, "key/value heads for grouped-query attention (null = num_heads)")
+    head_dim: int | None = _f(None, "per-head width (null = d_model / num_heads)")
+    mlp_dim: int = _f(512, "hidden width of the feed-forward block")
+    vocab_size: int = _f(256, "embedding rows; must cover the data's tokenizer")
+    max_seq_len: int = _f(2048, "longest sequence the position encoding supports")
+    rope_theta: float = _f(10000.0, "RoPE base frequency (llama)")
+    norm_eps: float = _f(1e-5, "epsilon of RMSNorm / LayerNorm")
+    init_std: float = _f(0.02, "standard deviation of the normal weight initialiser")
+    dtype: str = _f("float32", "compute dtype of activations and matmuls", COMPUTE_DTYPES)
+    param_dtype: str = _f("float32", "storage dtype of parameters (master weights)", COMPUTE_DTYPES)
+    remat: str = _f("none", "activation recompute policy for each block", REMAT_POLICIES)
+    scan_layers: bool = _f(True, "run blocks with lax.scan (compile time flat in depth)")
+    attention_impl: str = _f("auto", "attention kernel: auto, xla (reference) or cudnn", ATTENTION_IMPLS)
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim or self.d_model // self.num_heads
+
+    @property
+    def tied_embeddings(self) -> bool:
+        return self.type == "gpt2"
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    data: int = _f(-1, "data-parallel degree (-1 = all devices left over)")
+    fsdp: int = _f(1, "fully-sharded data-parallel degree (ZeRO-3)")
+    tensor: int = _f(1, "tensor-parallel degree (Megatron column/row split)")
+    sequence: int = _f(1, "context-parallel degree (ring attention)")
+    expert: int = _f(1, "expert-parallel degree")
+    stage: int = _f(1, "pipeline-parallel degree")
+    sequence_parallel: bool = _f(False, "Megatron sequence parallelism on the tensor axis")
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    schedule: str = _f("none", "pipeline schedule", ("none",))
+    microbatches: int = _f(1, "microbatches per step in the pipeline")
+    virtual_stages: int = _f(1, "model chunks per device (interleaved schedule)")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = _f(200, "optimizer steps to run")
+    batch_size: int = _f(16, "global batch size in sequences")
+    log_every: int = _f(10, "steps between metric lines")
+    eval_every: int = _f(100, "steps between held-out evaluations (0 = only at the end)")
+    eval_batches: int = _f(4, "batches in each evaluation")
+    run_dir: str = _f("runs/default", "where metrics.jsonl and config.yaml are written")
+    seed: int = _f(0, "seed for parameters and data order")
+    tensorboard: bool = _f(False, "also write TensorBoard event files")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = _f(3e-3, "peak learning rate")
+    min_lr_ratio: float = _f(0.1, "final learning rate as a fraction of lr (cosine decay)")
+    warmup_steps: int = _f(20, "linear warmup steps")
+    weight_decay: float = _f(0.1, "AdamW decoupled weight decay on matrices")
+    b1: float = _f(0.9, "Adam beta1")
+    b2: float = _f(0.95, "Adam beta2")
+    eps: float = _f(1e-8, "Adam epsilon")
+    grad_clip: float = _f(1.0, "global-norm clipping threshold (0 = off)")
+    grad_accum: int = _f(1, "microbatches accumulated into one optimizer step")
+    zero_stage: int = _f(0, "ZeRO stage over the data axis (0 = replicated optimizer state)", (0,))
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    path: str = _f("builtin:stdlib", "token dataset prefix (from jaxtron.data.prepare) "
+                   "or builtin:stdlib")
+    seq_len: int = _f(128, "tokens per training sequence")
+    val_fraction: float = _f(0.02, "fraction of documents held out for evaluation")
+    builtin_max_bytes: int = _f(4_000_000, "size cap of the built-in corpus")
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = _f(0, "steps between checkpoints (0 = off)", (0,))
+    keep: int = _f(3, "checkpoints kept")
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+
+# ---------------------------------------------------------------------------------------------
+# Building from nested dicts, with type checks that name the field.
+
+
+def _allowed_types(annotation) -> tuple[type, ...]:
+    hint = eval(annotation, vars(typing)) if isinstance(annotation, str) else annotation
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        return tuple(typing.get_args(hint))
+    return (hint,)
+
+
+def _coerce(path: str, value: Any, annotation) -> Any:
+    allowed = _allowed_types(annotation)
+    if value is None:
+        if type(None) in allowed:
+            return None
+        raise ConfigError(f"{path} may not be null; give a {allowed[0].__name__}.")
+    for t in allowed:
+        if t is bool and isinstance(value, bool):
+            return value
+        if t is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if t is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if t is str and isinstance(value, str):
+            return value
+        if t is float and isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    names = " or ".join(t.__name__ for t in allowed if t is not type(None))
+    raise ConfigError(f"{path}={value!r} has type {type(value).__name__}; it must be {names}.")
+
+
+def _build(cls, raw: dict, prefix: str):
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{prefix or 'the config'} must be a mapping of keys to values, "
+                          f"got {raw!r}.")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in raw.items():
+        path = f"{prefix}{key}"
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), fields, n=1)
+            hint = f" Did you mean {prefix}{close[0]}?" if close else ""
+            raise ConfigError(f"unknown config key {path}.{hint} Valid keys here: "
+                              f"{', '.join(sorted(fields))}.")
+        f = fields[key]
+        if dataclasses.is_dataclass(f.default_factory if f.default_factory is not
+                                    dataclasses.MISSING else None):
+            kwargs[key] = _build(f.default_factory, value or {}, f"{path}.")
+            continue
+        value = _coerce(path, value, f.type)
+        choices = f.metadata.get("choices")
+        if choices and value not in choices:
+            raise ConfigError(f"{path}={value!r} is not supported; choose one of "
+                              f"{', '.join(map(str, choices))}.")
+        kwargs[key] = value
+    return cls(**kwargs)
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {dotted}: {part} is a value, not a section.")
+    node[parts[-1]] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`train.steps=50` -> ("train.steps", 50); values are parsed as YAML scalars."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} must look like section.key=value, "
+                          "for example train.steps=50.")
+    key, raw = text.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip(), value
+
+
+def from_dict(raw: dict, overrides: list[str] = ()) -> Config:
+    tree = _deep_copy(raw or {})
+    for text in overrides:
+        key, value = parse_override(text)
+        _set_dotted(tree, key, value)
+    config = _build(Config, tree, "")
+    validate(config)
+    return config
+
+
+def _deep_copy(tree):
+    return {k: _deep_copy(v) if isinstance(v, dict) else v for k, v in tree.items()}
+
+
+def load(path: str | Path | None, overrides: list[str] = ()) -> Config:
+    raw = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist; pass --config with a path such "
+                              "as configs/tiny.yaml.")
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"config file {path} is not valid YAML ({err}); fix the syntax "
+                              "on the line shown.") from None
+    return from_dict(raw, overrides)
+
+
+def to_dict(config) -> dict:
+    return dataclasses.asdict(config)
+
+
+def dump(config: Config) -> str:
+    return yaml.safe_dump(to_dict(config), sort_keys=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# Cross-field checks: each names the fields involved and the fix.
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def validate(c: Config) -> None:
+    m, t, o, d = c.model, c.train, c.optim, c.data
+    positive = {"model.num_layers": m.num_layers, "model.d_model": m.d_model,
+                "model.num_heads": m.num_heads, "model.mlp_dim": m.mlp_dim,
+                "model.vocab_size": m.vocab_size, "model.max_seq_len": m.max_seq_len,
+                "train.steps": t.steps, "train.batch_size": t.batch_size,
+                "train.log_every": t.log_every, "train.eval_batches": t.eval_batches,
+                "optim.grad_accum": o.grad_accum, "data.seq_len": d.seq_len,
+                "pipeline.microbatches": c.pipeline.microbatches,
+                "pipeline.virtual_stages": c.pipeline.virtual_stages}
+    for name, value in positive.items():
+        _check(value > 0, f"{name}={value} must be a positive integer.")
+    _check(m.num_kv_heads is None or m.num_kv_heads > 0,
+           f"model.num_kv_heads={m.num_kv_heads} must be positive or null (= num_heads).")
+    _check(m.head_dim is not None or m.d_model % m.num_heads == 0,
+           f"model.d_model={m.d_model} is not divisible by model.num_heads={m.num_heads}; "
+           "change one of them or set model.head_dim explicitly.")
+    _check(m.num_heads % m.kv_heads == 0,
+           f"model.num_heads={m.num_heads} must be a multiple of model.num_kv_heads="
+           f"{m.kv_heads} (each kv head serves a whole group of query heads).")
+    _check(m.type != "gpt2" or m.kv_heads == m.num_heads,
+           f"model.type=gpt2 uses multi-head attention; set model.num_kv_heads=null "
+           f"(got {m.num_kv_heads}).")
+    _check(m.type != "llama" or m.resolved_head_dim % 2 == 0,
+           f"RoPE needs an even head dimension; model.head_dim resolves to {m.resolved_head_dim}.")
+    _check(d.seq_len <= m.max_seq_len,
+           f"data.seq_len={d.seq_len} exceeds model.max_seq_len={m.max_seq_len}; raise "
+           "model.max_seq_len or shorten data.seq_len.")
+    _check(t.batch_size % o.grad_accum == 0,
+           f"train.batch_size={t.batch_size} must be divisible by optim.grad_accum={o.grad_accum}.")
+    _check(t.eval_every >= 0, f"train.eval_every={t.eval_every} must be >= 0.")
+    _check(0.0 < d.val_fraction < 1.0,
+           f"data.val_fraction={d.val_fraction} must lie strictly between 0 and 1.")
+    _check(0.0 <= o.min_lr_ratio <= 1.0,
+           f"optim.min_lr_ratio={o.min_lr_ratio} must lie in [0, 1].")
+    _check(o.warmup_steps >= 0, f"optim.warmup_steps={o.warmup_steps} must be >= 0.")
+    _check(o.lr > 0, f"optim.lr={o.lr} must be positive.")
+    _check(not t.tensorboard, "train.tensorboard=true is not available in this version; "
+           "metrics are in <train.run_dir>/metrics.jsonl. Set train.tensorboard=false.")
+    mesh = c.mesh
+    for name in ("data", "fsdp", "tensor", "sequence", "expert", "stage"):
+        value = getattr(mesh, name)
+        _check(value == -1 or value > 0,
+               f"mesh.{name}={value} must be a positive degree or -1 (= the devices left over).")
+    _check(sum(getattr(mesh, n) == -1 for n in ("data", "fsdp", "tensor", "sequence", "expert",
+                                                 "stage")) <= 1,
+           "only one mesh degree may be -1 (= the rest); give the others explicit values.")
+    for name in ("stage", "expert", "sequence"):
+        _check(getattr(mesh, name) in (1, -1) and getattr(mesh, name) == 1,
+               f"mesh.{name}={getattr(mesh, name)} is not available in this version; "
+               f"set mesh.{name}=1.")
+    _check(not mesh.sequence_parallel, "mesh.sequence_parallel=true is not available in this "
+           "version; set mesh.sequence_parallel=false.")
+    _check(c.pipeline.microbatches == 1 and c.pipeline.virtual_stages == 1,
+           "pipeline.microbatches and pipeline.virtual_stages need pipeline parallelism, which "
+           "is not available in this version; leave both at 1.")

@@ -1,0 +1,1 @@
+"""Token datasets: the built-in corpus, Megatron-format indexed files, and the grain pipeline."""

@@ -1,0 +1,106 @@
+"""grain input pipeline: fixed-length windows over the token memmap, shuffled and batched.
+
+Training windows are `seq_len + 1` tokens (inputs and shifted targets) cut at a stride of
+`seq_len` from the training documents; the last `val_fraction` of documents is held out for
+evaluation. Shuffling is grain's seeded index permutation, reshuffled each epoch, so the order
+depends only on `train.seed`. The iterator's state is just the next batch index: saving and
+restoring it resumes the exact stream.
+
+Each process reads only its own rows of every global batch (`process_index`), so several hosts
+together produce exactly the batch one process would.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import grain
+import numpy as np
+
+from jaxtron.config import Config
+from jaxtron.data.corpus import BUILTIN_STDLIB, builtin_prefix
+from jaxtron.data.indexed import IndexedDataset
+from jaxtron.errors import DataError
+
+
+class TokenWindows:
+    """Random-access source: window i = tokens[start + i*L : start + i*L + L + 1]."""
+
+    def __init__(self, tokens: np.ndarray, start: int, end: int, seq_len: int):
+        self.tokens, self.start, self.seq_len = tokens, start, seq_len
+        self.count = max(0, (end - start - 1) // seq_len)
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        begin = self.start + int(index) * self.seq_len
+        return np.asarray(self.tokens[begin:begin + self.seq_len + 1], dtype=np.int32)
+
+
+class HostRows:
+    """Batch i of this host: its contiguous slice of global batch i of the shuffled stream."""
+
+    def __init__(self, windows: grain.MapDataset, global_batch: int, process_index: int,
+                 process_count: int):
+        self.windows, self.global_batch = windows, global_batch
+        self.local_batch = global_batch // process_count
+        self.offset = process_index * self.local_batch
+
+    def __call__(self, batch_index: int) -> dict:
+        first = batch_index * self.global_batch + self.offset
+        rows = [self.windows[first + j] for j in range(self.local_batch)]
+        return {"tokens": np.stack(rows)}
+
+
+def open_dataset(config: Config) -> IndexedDataset:
+    path = config.data.path
+    if path == BUILTIN_STDLIB:
+        path = builtin_prefix(config.data.builtin_max_bytes)
+    elif path.startswith("builtin:"):
+        raise DataError(f"data.path={path} is not a built-in corpus; the only one is "
+                        f"{BUILTIN_STDLIB}.")
+    dataset = IndexedDataset(path)
+    if dataset.vocab_size > config.model.vocab_size:
+        raise DataError(f"the dataset at data.path={config.data.path} uses {dataset.vocab_size} "
+                        f"token ids but model.vocab_size={config.model.vocab_size}; set "
+                        f"model.vocab_size={dataset.vocab_size} or more.")
+    return dataset
+
+
+def split_point(dataset: IndexedDataset, val_fraction: float) -> int:
+    """Token offset where the held-out documents begin."""
+    held_out = max(1, int(round(dataset.num_documents * val_fraction)))
+    if held_out >= dataset.num_documents:
+        raise DataError(f"the dataset has {dataset.num_documents} documents, too few to hold "
+                        f"out data.val_fraction={val_fraction} for evaluation and still train; "
+                        "add documents or lower data.val_fraction.")
+    return dataset.document_start(dataset.num_documents - held_out)
+
+
+def _windows(config: Config, dataset: IndexedDataset, split: str) -> TokenWindows:
+    cut = split_point(dataset, config.data.val_fraction)
+    start, end = (0, cut) if split == "train" else (cut, int(dataset.tokens.size))
+    windows = TokenWindows(dataset.tokens, start, end, config.data.seq_len)
+    if len(windows) == 0:
+        raise DataError(f"the {split} split of data.path={config.data.path} has {end - start} "
+                        f"tokens, fewer than one window of data.seq_len={config.data.seq_len}+1; "
+                        "shorten data.seq_len or use more data.")
+    return windows
+
+
+def train_batches(config: Config, dataset: IndexedDataset, process_index: int = 0,
+                  process_count: int = 1) -> grain.DatasetIterator:
+    """Endless, checkpointable iterator of {"tokens": int32[local_batch, seq_len + 1]}."""
+    windows = grain.MapDataset.source(_windows(config, dataset, "train"))
+    stream = windows.shuffle(seed=config.train.seed).repeat()
+    rows = HostRows(stream, config.train.batch_size, process_index, process_count)
+    return iter(grain.MapDataset.range(sys.maxsize).map(rows).to_iter_dataset())
+
+
+def eval_batches(config: Config, dataset: IndexedDataset, process_index: int = 0,
+                 process_count: int = 1) -> list[dict]:
+    """The same held-out batches at every evaluation, in order, wrapping if the split is small."""
+    windows = grain.MapDataset.source(_windows(config, dataset, "validation")).repeat()
+    rows = HostRows(windows, config.train.batch_size, process_index, process_count)
+    return [rows(i) for i in range(config.train.eval_batches)]

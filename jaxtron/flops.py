@@ -1,0 +1,63 @@
+"""Model FLOPs per token and the peak FLOP/s that MFU is measured against.
+
+Training FLOPs per token (Kaplan et al. 2020; Chowdhery et al. 2022, appendix B):
+
+    6 * P_matmul  +  6 * N * (2 * H * K) * (L + 1) / 2
+
+P_matmul counts every weight that takes part in a matmul per token: the q/k/v/o projections,
+the MLP, and the output head (tied or not); the embedding lookup and norms are excluded. The
+second term is attention: per layer and token, q.k and p.v cost 2 * H * K multiply-adds for each
+attended position, and causal masking attends to (L + 1) / 2 positions on average. The factor 6
+is 2 (forward multiply-add) x 3 (forward + two backward matmuls). Recompute from remat is not
+model FLOPs; it is reported separately as hardware FLOPs where measured.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+
+from jaxtron.config import ModelConfig
+
+# Dense bf16 tensor-core peaks per device, FLOP/s (vendor datasheets, without sparsity).
+PEAK_FLOPS_BY_KIND = {
+    "H200": 989e12, "H100": 989e12, "A100": 312e12, "B200": 2250e12, "L4": 121e12,
+    "TPU v5p": 459e12, "TPU v5 lite": 197e12, "TPU v4": 275e12, "TPU v6 lite": 918e12,
+}
+
+
+def matmul_params(m: ModelConfig) -> int:
+    d, h, g, k, f = m.d_model, m.num_heads, m.kv_heads, m.resolved_head_dim, m.mlp_dim
+    attention = d * h * k + 2 * d * g * k + h * k * d
+    mlp = (3 if m.type == "llama" else 2) * d * f
+    return m.num_layers * (attention + mlp) + d * m.vocab_size
+
+
+def training_flops_per_token(m: ModelConfig, seq_len: int) -> float:
+    attention = 6 * m.num_layers * 2 * m.num_heads * m.resolved_head_dim * (seq_len + 1) / 2
+    return 6 * matmul_params(m) + attention
+
+
+def measure_cpu_peak(size: int = 1024, seconds: float = 0.5) -> float:
+    """FLOP/s of an fp32 matmul on the whole machine (all simulated devices share its cores)."""
+    a = jnp.ones((size, size), jnp.float32)
+    matmul = jax.jit(lambda x: x @ x)
+    matmul(a).block_until_ready()
+    reps, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        matmul(a).block_until_ready()
+        reps += 1
+    return 2 * size**3 * reps / (time.perf_counter() - start)
+
+
+def peak_flops(devices) -> tuple[float, str]:
+    """Total peak FLOP/s of `devices` and where the number came from."""
+    kind = devices[0].device_kind
+    if devices[0].platform == "cpu":
+        return measure_cpu_peak(), "measured fp32 matmul, whole machine"
+    for name, flops in PEAK_FLOPS_BY_KIND.items():
+        if name.lower() in kind.lower():
+            return flops * len(devices), f"{name} datasheet bf16 x {len(devices)}"
+    return float("nan"), f"unknown accelerator {kind!r}"

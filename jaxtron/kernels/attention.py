@@ -1,0 +1,39 @@
+"""The one attention entry point the model calls, dispatching on an enum.
+
+`xla` is the plain-jnp reference; `cudnn` is JAX's fused cuDNN path (NVIDIA GPUs only); `auto`
+takes cuDNN on a GPU and the reference elsewhere.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import jax
+
+from jaxtron.errors import ConfigError
+from jaxtron.kernels.reference import reference_attention
+
+
+class AttentionImpl(str, enum.Enum):
+    AUTO = "auto"
+    XLA = "xla"
+    CUDNN = "cudnn"
+
+
+def resolve_impl(impl: str | AttentionImpl) -> AttentionImpl:
+    impl = AttentionImpl(impl)
+    if impl is AttentionImpl.AUTO:
+        return AttentionImpl.CUDNN if jax.default_backend() == "gpu" else AttentionImpl.XLA
+    if impl is AttentionImpl.CUDNN and jax.default_backend() != "gpu":
+        raise ConfigError("model.attention_impl=cudnn needs an NVIDIA GPU, but the backend is "
+                          f"{jax.default_backend()}; use model.attention_impl=auto or xla.")
+    return impl
+
+
+def attention(q, k, v, *, causal: bool = True, segment_ids=None, impl="auto"):
+    """q_BxLxHxK, k/v_BxSxGxK -> out_BxLxHxK (G divides H: grouped-query attention)."""
+    impl = resolve_impl(impl)
+    if impl is AttentionImpl.CUDNN and segment_ids is None:
+        return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
+    # Packed segments are not expressible through jax.nn's cuDNN arguments: use the reference.
+    return reference_attention(q, k, v, causal=causal, segment_ids=segment_ids)

@@ -1,0 +1,29 @@
+"""Plain-jnp attention: the reference every other implementation is tested against.
+
+Grouped-query attention is computed by folding the query heads of each kv group into an extra
+axis, so k and v are never repeated in memory. Shapes: q_BxLxHxK, k/v_BxSxGxK with H = G * R.
+"""
+
+import jax
+import jax.numpy as jnp
+
+
+def reference_attention(q, k, v, *, causal: bool, segment_ids=None):
+    batch, q_len, num_heads, head_dim = q.shape
+    kv_len, num_kv_heads = k.shape[1], k.shape[2]
+    group = num_heads // num_kv_heads
+    q_BxLxGxRxK = q.reshape(batch, q_len, num_kv_heads, group, head_dim)
+    scale = head_dim ** -0.5
+    logits_BxGxRxLxS = jnp.einsum("blgrk,bsgk->bgrls", q_BxLxGxRxK, k,
+                                  preferred_element_type=jnp.float32) * scale
+    mask_LxS = jnp.ones((q_len, kv_len), dtype=bool)
+    if causal:
+        mask_LxS = jnp.tril(mask_LxS, k=kv_len - q_len)
+    mask = mask_LxS[None, None, None]
+    if segment_ids is not None:
+        same_BxLxS = segment_ids[:, :, None] == segment_ids[:, None, :]
+        mask = mask & same_BxLxS[:, None, None]
+    logits_BxGxRxLxS = jnp.where(mask, logits_BxGxRxLxS, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(logits_BxGxRxLxS, axis=-1).astype(v.dtype)
+    out_BxLxGxRxK = jnp.einsum("bgrls,bsgk->blgrk", probs, v)
+    return out_BxLxGxRxK.reshape(batch, q_len, num_heads, head_dim)

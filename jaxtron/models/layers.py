@@ -1,0 +1,161 @@
+"""Building blocks: norms, rotary embeddings, attention and feed-forward layers.
+
+Each parameter is created with its logical axis names (`param(...)`); the sharding rules turn
+those into mesh placements. Parameters are stored in `param_dtype` and cast to the compute
+`dtype` at use, so master weights stay fp32 under bf16 compute.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxtron.config import ModelConfig
+from jaxtron.kernels import attention
+from jaxtron.sharding.rules import constrain
+
+
+def param(rngs: nnx.Rngs, init, shape, names, dtype) -> nnx.Param:
+    """A parameter tagged with logical axis names; placement happens later, in one jit."""
+    return nnx.Param(init(rngs.params(), shape, dtype), sharding_names=tuple(names),
+                     eager_sharding=False)
+
+
+def normal(std: float):
+    return nnx.initializers.normal(stddev=std)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.eps = cfg.norm_eps
+        self.scale = param(rngs, nnx.initializers.ones, (cfg.d_model,), ("embed",),
+                           cfg.param_dtype)
+
+    def __call__(self, x_BxLxD):
+        x = x_BxLxD.astype(jnp.float32)  # statistics in fp32 whatever the compute dtype
+        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
+        return (x * self.scale[...].astype(jnp.float32)).astype(x_BxLxD.dtype)
+
+
+class LayerNorm(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.eps = cfg.norm_eps
+        self.scale = param(rngs, nnx.initializers.ones, (cfg.d_model,), ("embed",),
+                           cfg.param_dtype)
+        self.bias = param(rngs, nnx.initializers.zeros, (cfg.d_model,), ("embed",),
+                          cfg.param_dtype)
+
+    def __call__(self, x_BxLxD):
+        x = x_BxLxD.astype(jnp.float32)
+        mean = jnp.mean(x, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
+        x = (x - mean) * jax.lax.rsqrt(var + self.eps)
+        x = x * self.scale[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)
+        return x.astype(x_BxLxD.dtype)
+
+
+def make_norm(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
+    return LayerNorm(cfg, rngs) if cfg.type == "gpt2" else RMSNorm(cfg, rngs)
+
+
+def rotary(x_BxLxHxK, positions_L, theta: float):
+    """RoPE (Su et al. 2021), rotating pairs (i, i + K/2) as Llama does."""
+    half = x_BxLxHxK.shape[-1] // 2
+    freq_K2 = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angle_LxK2 = positions_L.astype(jnp.float32)[:, None] * freq_K2[None, :]
+    sin, cos = jnp.sin(angle_LxK2)[None, :, None, :], jnp.cos(angle_LxK2)[None, :, None, :]
+    x1, x2 = jnp.split(x_BxLxHxK.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_BxLxHxK.dtype)
+
+
+class Attention(nnx.Module):
+    """Multi-head / grouped-query self-attention; heads are the tensor-parallel axis."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        d, h, g, k = cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.resolved_head_dim
+        init, pd = normal(cfg.init_std), cfg.param_dtype
+        # Output projection scaled by depth, as in GPT-2, so the residual stream stays O(1).
+        out_init = normal(cfg.init_std / (2 * cfg.num_layers) ** 0.5)
+        self.wq = param(rngs, init, (d, h, k), ("embed", "heads", "head_dim"), pd)
+        self.wk = param(rngs, init, (d, g, k), ("embed", "kv_heads", "head_dim"), pd)
+        self.wv = param(rngs, init, (d, g, k), ("embed", "kv_heads", "head_dim"), pd)
+        self.wo = param(rngs, out_init, (h, k, d), ("heads", "head_dim", "embed"), pd)
+        self.use_bias = cfg.type == "gpt2"
+        if self.use_bias:
+            zeros = nnx.initializers.zeros
+            self.bq = param(rngs, zeros, (h, k), ("heads", "head_dim"), pd)
+            self.bk = param(rngs, zeros, (g, k), ("kv_heads", "head_dim"), pd)
+            self.bv = param(rngs, zeros, (g, k), ("kv_heads", "head_dim"), pd)
+            self.bo = param(rngs, zeros, (d,), ("embed",), pd)
+
+    def __call__(self, x_BxLxD, positions_L):
+        cfg, dt = self.cfg, x_BxLxD.dtype
+        q_BxLxHxK = jnp.einsum("bld,dhk->blhk", x_BxLxD, self.wq[...].astype(dt))
+        k_BxLxGxK = jnp.einsum("bld,dgk->blgk", x_BxLxD, self.wk[...].astype(dt))
+        v_BxLxGxK = jnp.einsum("bld,dgk->blgk", x_BxLxD, self.wv[...].astype(dt))
+        if self.use_bias:
+            q_BxLxHxK += self.bq[...].astype(dt)
+            k_BxLxGxK += self.bk[...].astype(dt)
+            v_BxLxGxK += self.bv[...].astype(dt)
+        if cfg.type == "llama":
+            q_BxLxHxK = rotary(q_BxLxHxK, positions_L, cfg.rope_theta)
+            k_BxLxGxK = rotary(k_BxLxGxK, positions_L, cfg.rope_theta)
+        q_BxLxHxK = constrain(q_BxLxHxK, ("batch", "seq", "heads", "head_dim"))
+        k_BxLxGxK = constrain(k_BxLxGxK, ("batch", "seq", "kv_heads", "head_dim"))
+        v_BxLxGxK = constrain(v_BxLxGxK, ("batch", "seq", "kv_heads", "head_dim"))
+        out_BxLxHxK = attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, causal=True,
+                                impl=cfg.attention_impl)
+        out_BxLxD = jnp.einsum("blhk,hkd->bld", out_BxLxHxK, self.wo[...].astype(dt))
+        if self.use_bias:
+            out_BxLxD += self.bo[...].astype(dt)
+        return out_BxLxD
+
+
+class MLP(nnx.Module):
+    """SwiGLU (llama) or GELU (gpt2) feed-forward: column-parallel in, row-parallel out."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        d, f, pd = cfg.d_model, cfg.mlp_dim, cfg.param_dtype
+        init = normal(cfg.init_std)
+        out_init = normal(cfg.init_std / (2 * cfg.num_layers) ** 0.5)
+        self.gated = cfg.type == "llama"
+        if self.gated:
+            self.w_gate = param(rngs, init, (d, f), ("embed", "mlp"), pd)
+            self.w_up = param(rngs, init, (d, f), ("embed", "mlp"), pd)
+            self.w_down = param(rngs, out_init, (f, d), ("mlp", "embed"), pd)
+        else:
+            zeros = nnx.initializers.zeros
+            self.w_in = param(rngs, init, (d, f), ("embed", "mlp"), pd)
+            self.b_in = param(rngs, zeros, (f,), ("mlp",), pd)
+            self.w_out = param(rngs, out_init, (f, d), ("mlp", "embed"), pd)
+            self.b_out = param(rngs, zeros, (d,), ("embed",), pd)
+
+    def __call__(self, x_BxLxD):
+        dt = x_BxLxD.dtype
+        if self.gated:
+            gate_BxLxF = x_BxLxD @ self.w_gate[...].astype(dt)
+            up_BxLxF = x_BxLxD @ self.w_up[...].astype(dt)
+            h_BxLxF = constrain(jax.nn.silu(gate_BxLxF) * up_BxLxF, ("batch", "seq", "mlp"))
+            return h_BxLxF @ self.w_down[...].astype(dt)
+        h_BxLxF = x_BxLxD @ self.w_in[...].astype(dt) + self.b_in[...].astype(dt)
+        h_BxLxF = constrain(jax.nn.gelu(h_BxLxF, approximate=True), ("batch", "seq", "mlp"))
+        return h_BxLxF @ self.w_out[...].astype(dt) + self.b_out[...].astype(dt)
+
+
+class Block(nnx.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.attn_norm = make_norm(cfg, rngs)
+        self.attn = Attention(cfg, rngs)
+        self.mlp_norm = make_norm(cfg, rngs)
+        self.mlp = MLP(cfg, rngs)
+
+    def __call__(self, x_BxLxD, positions_L):
+        x_BxLxD = constrain(x_BxLxD, ("batch", "seq", "embed"))
+        x_BxLxD = x_BxLxD + self.attn(self.attn_norm(x_BxLxD), positions_L)
+        x_BxLxD = x_BxLxD + self.mlp(self.mlp_norm(x_BxLxD))
+        return constrain(x_BxLxD, ("batch", "seq", "embed"))

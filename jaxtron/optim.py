@@ -1,0 +1,39 @@
+"""AdamW with linear warmup, cosine decay and global-norm clipping (optax).
+
+Weight decay applies to matrices only: a parameter whose logical axes, less the stacked `layers`
+axis, span two or more dimensions. Norm scales and biases are not decayed (Megatron's default).
+"""
+
+from __future__ import annotations
+
+import jax
+import optax
+from flax import nnx
+
+from jaxtron.config import Config
+from jaxtron.sharding.rules import logical_names
+
+
+def learning_rate(config: Config) -> optax.Schedule:
+    o = config.optim
+    warmup = min(o.warmup_steps, config.train.steps)
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=o.lr, warmup_steps=warmup,
+        decay_steps=max(config.train.steps, warmup + 1), end_value=o.lr * o.min_lr_ratio)
+
+
+def decay_mask(params):
+    def is_matrix(variable: nnx.Variable):
+        names = [n for n in logical_names(variable) if n != "layers"]
+        return variable.replace(len(names) >= 2)
+
+    return jax.tree.map(is_matrix, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def build_optimizer(config: Config) -> optax.GradientTransformation:
+    o = config.optim
+    adamw = optax.adamw(learning_rate(config), b1=o.b1, b2=o.b2, eps=o.eps,
+                        weight_decay=o.weight_decay, mask=decay_mask)
+    if o.grad_clip > 0:
+        return optax.chain(optax.clip_by_global_norm(o.grad_clip), adamw)
+    return adamw

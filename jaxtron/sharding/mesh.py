@@ -1,0 +1,58 @@
+"""Named device mesh built from the `mesh.*` degrees of the config.
+
+Axis order runs from the slowest links to the fastest: pipeline stages and data replicas may
+cross hosts, tensor parallelism stays innermost so its per-layer collectives ride the fastest
+interconnect (Megatron's topology mapping). Axes are `Auto`, so GSPMD propagates shardings from
+the few constraints the rules place.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+from jax.sharding import AxisType, Mesh
+
+from jaxtron.config import MeshConfig
+from jaxtron.errors import ConfigError
+
+MESH_AXES = ("stage", "data", "fsdp", "expert", "sequence", "tensor")
+
+
+def resolve_degrees(mesh: MeshConfig, num_devices: int) -> dict[str, int]:
+    """Replace the one `-1` degree by the devices left over and check the product."""
+    degrees = {axis: getattr(mesh, axis) for axis in MESH_AXES}
+    fixed = math.prod(d for d in degrees.values() if d != -1)
+    rest = [axis for axis, d in degrees.items() if d == -1]
+    if rest:
+        if num_devices % fixed:
+            raise ConfigError(
+                f"the fixed mesh degrees multiply to {fixed}, which does not divide the "
+                f"{num_devices} devices, so mesh.{rest[0]}=-1 cannot take the rest; change "
+                f"{_describe(degrees)} so their product divides {num_devices}.")
+        degrees[rest[0]] = num_devices // fixed
+    total = math.prod(degrees.values())
+    if total != num_devices:
+        raise ConfigError(
+            f"mesh degrees {_describe(degrees)} multiply to {total}, but {num_devices} devices "
+            f"are visible; make the product equal {num_devices} (set one degree to -1 to take "
+            "the rest).")
+    return degrees
+
+
+def _describe(degrees: dict[str, int]) -> str:
+    shown = [f"mesh.{a}={d}" for a, d in degrees.items() if d != 1] or ["all degrees 1"]
+    return " x ".join(shown)
+
+
+def build_mesh(mesh: MeshConfig, devices=None) -> Mesh:
+    devices = list(devices if devices is not None else jax.devices())
+    degrees = resolve_degrees(mesh, len(devices))
+    shape = tuple(degrees[axis] for axis in MESH_AXES)
+    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES),
+                         devices=devices)
+
+
+def describe_mesh(mesh: Mesh) -> str:
+    parts = [f"{name}={size}" for name, size in mesh.shape.items() if size > 1]
+    return f"{mesh.devices.size} devices ({', '.join(parts) or 'single device'})"

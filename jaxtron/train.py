@@ -1,0 +1,167 @@
+"""Train a transformer from one YAML config.
+
+    python -m jaxtron.train --config configs/tiny.yaml [section.key=value ...]
+
+Writes <train.run_dir>/config.yaml (the resolved config) and metrics.jsonl (one JSON object per
+logged step: step, loss, lr, grad_norm, tokens_per_s, mfu, and eval_loss where evaluated), shows
+a progress line every `train.log_every` steps and ends with a one-line summary. Metrics are read
+one step late, so the host never waits on the step it just dispatched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from jaxtron import config as config_lib
+from jaxtron.errors import JaxtronError
+from jaxtron.flops import peak_flops, training_flops_per_token
+from jaxtron.sharding.mesh import describe_mesh
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m jaxtron.train", description="Train a transformer from a YAML config.",
+        epilog="Overrides: section.key=value, e.g. train.steps=50 model.num_layers=4.")
+    parser.add_argument("--config", help="YAML config file, e.g. configs/tiny.yaml")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the resolved config and exit")
+    parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    return parser
+
+
+class MetricsLog:
+    """Appends one JSON object per logged step to metrics.jsonl and prints a progress line."""
+
+    def __init__(self, run_dir: Path, total_steps: int, enabled: bool = True):
+        self.path = run_dir / "metrics.jsonl"
+        self.total = total_steps
+        self.enabled = enabled
+        if enabled:
+            self.path.write_text("")
+
+    def write(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        line = (f"step {record['step']:>{len(str(self.total))}}/{self.total} | "
+                f"loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
+                f"grad_norm {record['grad_norm']:.3f} | {record['tokens_per_s']:,.0f} tok/s | "
+                f"mfu {100 * record['mfu']:.2f}%")
+        if "eval_loss" in record:
+            line += f" | eval_loss {record['eval_loss']:.4f}"
+        print(line, flush=True)
+
+
+def run(config: config_lib.Config) -> dict:
+    """Train `config` to the end; return the final summary."""
+    from jaxtron.data.pipeline import eval_batches, open_dataset, train_batches
+    from jaxtron.trainer import Trainer
+
+    c = config
+    is_main = jax.process_index() == 0
+    run_dir = Path(c.train.run_dir)
+    if is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(config_lib.dump(c))
+
+    dataset = open_dataset(c)
+    batches = train_batches(c, dataset, jax.process_index(), jax.process_count())
+    held_out = eval_batches(c, dataset, jax.process_index(), jax.process_count())
+    trainer = Trainer(c)
+    state = trainer.init_state()
+
+    tokens_per_step = c.train.batch_size * c.data.seq_len
+    flops_per_step = training_flops_per_token(c.model, c.data.seq_len) * tokens_per_step
+    peak, peak_source = peak_flops(jax.devices())
+    log = MetricsLog(run_dir, c.train.steps, enabled=is_main)
+    if is_main:
+        n_params = sum(x.size for x in jax.tree.leaves(state.params))
+        print(f"jaxtron: {c.model.type} model, {n_params:,} parameters, "
+              f"{describe_mesh(trainer.mesh)}, {dataset.tokens.size:,} tokens in "
+              f"{c.data.path}; peak {peak / 1e9:,.1f} GFLOP/s ({peak_source})", flush=True)
+
+    compile_start = time.perf_counter()
+    first = trainer.put_batch(next(batches))
+    compiled = trainer.compile_step(state, first)
+    if is_main:
+        print(f"compiled the train step in {time.perf_counter() - compile_start:.1f} s; "
+              f"run dir {run_dir}", flush=True)
+
+    def evaluate(params_state) -> float:
+        losses = [trainer.eval_loss(params_state, trainer.put_batch(b)) for b in held_out]
+        return float(np.mean(jax.device_get(losses)))
+
+    # Throughput is taken between completions of logged steps, minus evaluation time.
+    clock = {"time": time.perf_counter(), "step": 0, "eval_s": 0.0}
+    pending, last, batch = None, {}, first
+    for step in range(1, c.train.steps + 1):
+        state, metrics = compiled(state, batch)
+        if step < c.train.steps:
+            batch = trainer.put_batch(next(batches))  # overlaps with the running step
+        if pending is not None:
+            last = _report(*pending, log, clock, flops_per_step, tokens_per_step, peak)
+            pending = None
+            if not math.isfinite(last["loss"]):
+                raise FloatingPointError(f"loss became {last['loss']} at step {last['step']}; "
+                                         "lower optim.lr or raise optim.warmup_steps.")
+        eval_loss = None
+        if (c.train.eval_every and step % c.train.eval_every == 0) or step == c.train.steps:
+            jax.block_until_ready(metrics)  # the step's own time stays in the window
+            eval_start = time.perf_counter()
+            eval_loss = evaluate(state)
+            clock["eval_s"] += time.perf_counter() - eval_start
+        if step % c.train.log_every == 0 or step == c.train.steps or eval_loss is not None:
+            pending = (step, metrics, eval_loss)
+    last = _report(*pending, log, clock, flops_per_step, tokens_per_step, peak)
+    summary = {"steps": c.train.steps, "final_loss": last["loss"],
+               "eval_loss": last.get("eval_loss"), "tokens_per_s": last["tokens_per_s"],
+               "mfu": last["mfu"], "run_dir": str(run_dir)}
+    if is_main:
+        print(f"done: {summary['steps']} steps | final loss {summary['final_loss']:.4f} | "
+              f"eval loss {summary['eval_loss']:.4f} | {summary['tokens_per_s']:,.0f} tok/s | "
+              f"mfu {100 * summary['mfu']:.2f}% | metrics in {run_dir / 'metrics.jsonl'}",
+              flush=True)
+    return summary
+
+
+def _report(step, metrics, eval_loss, log: MetricsLog, clock: dict, flops_per_step,
+            tokens_per_step, peak) -> dict:
+    values = {k: float(v) for k, v in jax.device_get(metrics).items()}  # waits for `step`
+    now = time.perf_counter()
+    seconds = max(now - clock["time"] - clock["eval_s"], 1e-9)
+    steps_per_s = (step - clock["step"]) / seconds
+    clock.update(time=now, step=step, eval_s=0.0)
+    record = {"step": step, "loss": values["loss"], "lr": values["lr"],
+              "grad_norm": values["grad_norm"], "tokens_per_s": tokens_per_step * steps_per_s,
+              "mfu": flops_per_step * steps_per_s / peak}
+    if eval_loss is not None:
+        record["eval_loss"] = eval_loss
+    log.write(record)
+    return record
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        config = config_lib.load(args.config, args.overrides)
+        if args.print_config:
+            print(config_lib.dump(config), end="")
+            return 0
+        run(config)
+    except JaxtronError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""Eight simulated CPU devices for every test, and a per-session corpus cache."""
+
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                           " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+from jaxtron import config as config_lib  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+TINY_MODEL = {"num_layers": 2, "d_model": 64, "num_heads": 4, "num_kv_heads": 2,
+              "mlp_dim": 128, "vocab_size": 256, "max_seq_len": 256}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def corpus_cache(tmp_path_factory):
+    path = tmp_path_factory.mktemp("jaxtron-cache")
+    os.environ["JAXTRON_CACHE"] = str(path)
+    return path
+
+
+def make_config(overrides: dict | None = None, model: dict | None = None, **sections):
+    """A small config: TINY_MODEL plus per-section dicts, e.g. make_config(train={...})."""
+    raw = {"model": {**TINY_MODEL, **(model or {})},
+           "data": {"seq_len": 32, "builtin_max_bytes": 400_000},
+           "train": {"batch_size": 8, "steps": 10, "log_every": 5, "eval_every": 0,
+                     "eval_batches": 2},
+           "optim": {"warmup_steps": 2}}
+    for section, values in sections.items():
+        raw.setdefault(section, {}).update(values)
+    return config_lib.from_dict(raw, [f"{k}={v}" for k, v in (overrides or {}).items()])

@@ -1,0 +1,73 @@
+import subprocess
+import sys
+
+import pytest
+
+from jaxtron import config as config_lib
+from jaxtron.errors import ConfigError
+
+from conftest import make_config
+
+
+def test_yaml_and_dotted_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("model:\n  num_layers: 3\ntrain:\n  steps: 7\n")
+    c = config_lib.load(path, ["train.steps=50", "model.d_model=96", "optim.lr=1e-3",
+                               "model.num_kv_heads=null", "model.dtype=bfloat16"])
+    assert c.model.num_layers == 3 and c.train.steps == 50 and c.model.d_model == 96
+    assert c.optim.lr == 1e-3 and c.model.kv_heads == c.model.num_heads
+    assert c.model.dtype == "bfloat16"
+    assert c.model.resolved_head_dim == 96 // 4
+
+
+def test_dump_round_trips(tmp_path):
+    c = make_config()
+    path = tmp_path / "resolved.yaml"
+    path.write_text(config_lib.dump(c))
+    assert config_lib.load(path) == c
+
+
+def test_shipped_configs_load():
+    for name in ("tiny", "gpt2-124m", "llama3-8b", "llama3-70b"):
+        c = config_lib.load(f"configs/{name}.yaml")
+        assert c.model.num_layers > 0
+    big = config_lib.load("configs/llama3-70b.yaml")
+    assert (big.model.num_layers, big.model.d_model, big.model.kv_heads) == (80, 8192, 8)
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    (["model.num_layer=3"], "unknown config key model.num_layer. Did you mean model.num_layers?"),
+    (["modle.d_model=3"], "unknown config key modle"),
+    (["train.steps=ten"], "train.steps='ten' has type str; it must be int"),
+    (["model.d_model=130"], "model.d_model=130 is not divisible by model.num_heads=4"),
+    (["model.num_kv_heads=3"], "must be a multiple of model.num_kv_heads=3"),
+    (["optim.grad_accum=3"], "train.batch_size=16 must be divisible by optim.grad_accum=3"),
+    (["model.remat=sometimes"], "model.remat='sometimes' is not supported; choose one of none"),
+    (["model.dtype=float8"], "model.dtype='float8' is not supported"),
+    (["data.seq_len=4096"], "data.seq_len=4096 exceeds model.max_seq_len=2048"),
+    (["mesh.data=-1", "mesh.fsdp=-1"], "only one mesh degree may be -1"),
+    (["mesh.stage=2"], "mesh.stage=2 is not available in this version"),
+    (["train.steps"], "must look like section.key=value"),
+    (["model.type=gpt2", "model.num_kv_heads=2"], "model.type=gpt2 uses multi-head attention"),
+])
+def test_bad_fields_name_the_field_and_fix(overrides, fragment):
+    with pytest.raises(ConfigError) as err:
+        config_lib.from_dict({}, overrides)
+    assert fragment in str(err.value)
+
+
+def test_cli_reports_errors_without_traceback():
+    result = subprocess.run([sys.executable, "-m", "jaxtron.train", "--config",
+                             "configs/tiny.yaml", "model.num_layer=3"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "Did you mean model.num_layers?" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_cli_print_config():
+    result = subprocess.run([sys.executable, "-m", "jaxtron.train", "--config",
+                             "configs/tiny.yaml", "--print-config", "train.steps=3"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "steps: 3" in result.stdout
