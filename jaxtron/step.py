@@ -71,7 +71,7 @@ def make_train_step(tx: optax.GradientTransformation, schedule: optax.Schedule,
         loss, grads = grad_fn(state.params, batch["tokens"])
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads),
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
                    "lr": schedule(state.step)}
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 

@@ -18,7 +18,7 @@ from jaxtron.sharding.rules import constrain
 
 def param(rngs: nnx.Rngs, init, shape, names, dtype) -> nnx.Param:
     """A parameter tagged with logical axis names; placement happens later, in one jit."""
-    return nnx.Param(init(rngs.params(), shape, dtype), sharding_names=tuple(names),
+    return nnx.Param(init(rngs.params(), shape, dtype), out_sharding=tuple(names),
                      eager_sharding=False)
 
 

@@ -1,0 +1,126 @@
+import json
+import struct
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from jaxtron.data.indexed import MAGIC, IndexedDataset
+from jaxtron.data.pipeline import eval_batches, open_dataset, split_point, train_batches
+from jaxtron.data.prepare import prepare
+from jaxtron.errors import DataError
+
+from conftest import make_config
+
+
+def write_corpus(folder, count=30):
+    folder.mkdir(parents=True, exist_ok=True)
+    for i in range(count):
+        (folder / f"doc{i:02d}.txt").write_text(f"document {i}: " + "lorem ipsum " * (i + 5))
+    return folder
+
+
+def test_prepare_folder_writes_megatron_index(tmp_path):
+    corpus = write_corpus(tmp_path / "corpus", 3)
+    meta = prepare(corpus, tmp_path / "out" / "toks")
+    ds = IndexedDataset(tmp_path / "out" / "toks")
+    raw = (tmp_path / "out" / "toks.idx").read_bytes()
+    assert raw[:9] == MAGIC and struct.unpack("<Q", raw[9:17])[0] == 1 and raw[17] == 8
+    assert ds.num_documents == meta["num_documents"] == 3
+    texts = sorted(p.read_text() for p in corpus.iterdir())
+    for i, text in enumerate(texts):
+        start, end = ds.document_start(i), ds.document_start(i + 1)
+        doc = bytes(int(t) for t in ds.tokens[start:end - 1]).decode()  # last token is EOS (0)
+        assert doc == text and ds.tokens[end - 1] == 0
+
+
+def test_prepare_jsonl_with_a_hugging_face_tokenizer(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(["hello world", "hello jax world"] * 20, trainers.BpeTrainer(
+        vocab_size=60, special_tokens=["<unk>", "</s>"]))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    lines = [json.dumps({"text": "hello world"}), json.dumps({"text": "hello jax"})]
+    (tmp_path / "docs.jsonl").write_text("\n".join(lines) + "\n")
+    result = subprocess.run([sys.executable, "-m", "jaxtron.data.prepare", "--input",
+                             str(tmp_path / "docs.jsonl"), "--out", str(tmp_path / "hf"),
+                             "--tokenizer", str(tmp_path / "tokenizer.json")],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    ds = IndexedDataset(tmp_path / "hf")
+    eos = tok.token_to_id("</s>")
+    expected = tok.encode("hello world").ids + [eos] + tok.encode("hello jax").ids + [eos]
+    assert list(ds.tokens) == expected
+    assert ds.vocab_size == tok.get_vocab_size()
+
+
+def test_bad_inputs_give_clear_errors(tmp_path):
+    (tmp_path / "bad.jsonl").write_text('{"body": "x"}\n')
+    with pytest.raises(DataError, match="has no 'text' field; pass --jsonl-key"):
+        prepare(tmp_path / "bad.jsonl", tmp_path / "x")
+    prepare(write_corpus(tmp_path / "c", 3), tmp_path / "ok")
+    with open(tmp_path / "ok.bin", "r+b") as f:
+        f.truncate(10)
+    with pytest.raises(DataError, match="truncated or mismatched"):
+        IndexedDataset(tmp_path / "ok")
+    with pytest.raises(DataError, match="has no .*missing.bin; create the dataset"):
+        IndexedDataset(tmp_path / "missing")
+
+
+def test_model_vocab_must_cover_the_data(tmp_path):
+    prepare(write_corpus(tmp_path / "c"), tmp_path / "toks")
+    config = make_config({"data.path": str(tmp_path / "toks"), "model.vocab_size": 128})
+    with pytest.raises(DataError, match="set model.vocab_size=256 or more"):
+        open_dataset(config)
+
+
+def take(iterator, n):
+    return [next(iterator)["tokens"] for _ in range(n)]
+
+
+def test_same_seed_same_batches_and_restore_resumes_exactly():
+    config = make_config()
+    ds = open_dataset(config)
+    first = take(train_batches(config, ds), 4)
+    again = take(train_batches(config, ds), 4)
+    for a, b in zip(first, again):
+        np.testing.assert_array_equal(a, b)
+    other = take(train_batches(make_config({"train.seed": 1}), ds), 1)
+    assert not np.array_equal(first[0], other[0])
+
+    it = train_batches(config, ds)
+    take(it, 2)
+    state = it.get_state()
+    expected = take(it, 2)
+    resumed = train_batches(config, ds)
+    resumed.set_state(state)
+    for a, b in zip(expected, take(resumed, 2)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_batches_are_shifted_windows_of_the_training_split():
+    config = make_config()
+    ds = open_dataset(config)
+    batch = next(train_batches(config, ds))["tokens"]
+    assert batch.shape == (8, 33) and batch.dtype == np.int32
+    cut = split_point(ds, config.data.val_fraction)
+    flat = np.asarray(ds.tokens[:cut])
+    for row in batch:  # every row is a contiguous slice of the training tokens
+        starts = np.flatnonzero(flat[:-32] == row[0])
+        assert any(np.array_equal(flat[s:s + 33], row) for s in starts)
+    held_out = eval_batches(config, ds)
+    assert len(held_out) == 2
+    val = np.asarray(ds.tokens[cut:])
+    assert np.array_equal(held_out[0]["tokens"][0], val[:33])
+
+
+def test_hosts_read_disjoint_rows_that_form_the_global_batch():
+    config = make_config()
+    ds = open_dataset(config)
+    single = take(train_batches(config, ds), 2)
+    hosts = [take(train_batches(config, ds, p, 2), 2) for p in range(2)]
+    for step in range(2):
+        assert hosts[0][step].shape[0] == 4
+        np.testing.assert_array_equal(np.concatenate([h[step] for h in hosts]), single[step])
