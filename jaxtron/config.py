@@ -76,6 +76,9 @@ class MeshConfig:
     expert: int = _f(1, "expert-parallel degree")
     stage: int = _f(1, "pipeline-parallel degree")
     sequence_parallel: bool = _f(False, "Megatron sequence parallelism on the tensor axis")
+    dcn_data: int = _f(1, "part of mesh.data that spans hosts (the rest stays inside a host)")
+    dcn_fsdp: int = _f(1, "part of mesh.fsdp that spans hosts")
+    dcn_stage: int = _f(1, "part of mesh.stage that spans hosts")
 
 
 @dataclass(frozen=True)
@@ -108,7 +111,8 @@ class OptimConfig:
     eps: float = _f(1e-8, "Adam epsilon")
     grad_clip: float = _f(1.0, "global-norm clipping threshold (0 = off)")
     grad_accum: int = _f(1, "microbatches accumulated into one optimizer step")
-    zero_stage: int = _f(0, "ZeRO stage over the data axis (0 = replicated optimizer state)", (0,))
+    zero_stage: int = _f(0, "ZeRO over mesh.data: 1 shards optimizer state, 2 also gradients",
+                         (0, 1, 2))
 
 
 @dataclass(frozen=True)
@@ -315,12 +319,16 @@ def validate(c: Config) -> None:
     _check(sum(getattr(mesh, n) == -1 for n in ("data", "fsdp", "tensor", "sequence", "expert",
                                                  "stage")) <= 1,
            "only one mesh degree may be -1 (= the rest); give the others explicit values.")
-    for name in ("stage", "expert", "sequence"):
-        _check(getattr(mesh, name) in (1, -1) and getattr(mesh, name) == 1,
+    for name in ("stage", "expert"):
+        _check(getattr(mesh, name) == 1,
                f"mesh.{name}={getattr(mesh, name)} is not available in this version; "
                f"set mesh.{name}=1.")
-    _check(not mesh.sequence_parallel, "mesh.sequence_parallel=true is not available in this "
-           "version; set mesh.sequence_parallel=false.")
+    for name in ("data", "fsdp", "stage"):
+        dcn, total = getattr(mesh, f"dcn_{name}"), getattr(mesh, name)
+        _check(dcn > 0, f"mesh.dcn_{name}={dcn} must be a positive integer.")
+        _check(total == -1 or total % dcn == 0,
+               f"mesh.dcn_{name}={dcn} must divide mesh.{name}={total}: it is the cross-host "
+               f"factor of that degree.")
     _check(c.pipeline.microbatches == 1 and c.pipeline.virtual_stages == 1,
            "pipeline.microbatches and pipeline.virtual_stages need pipeline parallelism, which "
            "is not available in this version; leave both at 1.")

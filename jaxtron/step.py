@@ -1,8 +1,9 @@
 """The pure training step: `train_step(state, batch) -> (state, metrics)`.
 
-The step has no flags. How gradients are computed is a function passed in: `plain_grads` for
-one pass over the batch, `accumulated_grads` to sum over microbatches with `lax.scan` (the
-optimizer still takes one step per global batch, and the loss is the same mean).
+The step has no flags. How gradients are computed is a function passed in, built by composing
+`plain_grads` (one pass over the batch), `sharded_grads` (ZeRO-2 placement) and
+`accumulated_grads` (sum over microbatches with `lax.scan`; the optimizer still takes one step
+per global batch, and the loss is the same mean).
 """
 
 from __future__ import annotations
@@ -40,21 +41,30 @@ def plain_grads(loss_fn) -> GradFn:
     return jax.value_and_grad(loss_fn)
 
 
-def accumulated_grads(loss_fn, microbatches: int) -> GradFn:
+def sharded_grads(grad_fn: GradFn, shardings) -> GradFn:
+    """ZeRO-2: constrain gradients to the optimizer-state sharding as soon as they exist, so the
+    data-parallel all-reduce becomes a reduce-scatter and no device holds all gradients."""
+
+    def fn(params, tokens):
+        loss, grads = grad_fn(params, tokens)
+        return loss, jax.lax.with_sharding_constraint(grads, shardings)
+
+    return fn
+
+
+def accumulated_grads(grad_fn: GradFn, microbatches: int) -> GradFn:
     """Mean loss and gradients over `microbatches` equal slices of the batch, one at a time.
 
     Microbatch a takes rows a, a + A, a + 2A, ...: reshaping [B] to [B/A, A] keeps each device's
     contiguous rows of a data-sharded batch on that device, so slicing moves no data.
     """
-    value_and_grad = jax.value_and_grad(loss_fn)
-
-    def grad_fn(params, tokens):
+    def accumulate(params, tokens):
         batch, width = tokens.shape
         tokens_AxMxT = tokens.reshape(batch // microbatches, microbatches, width).swapaxes(0, 1)
 
         def body(carry, micro_tokens):
             loss_sum, grad_sum = carry
-            loss, grads = value_and_grad(params, micro_tokens)
+            loss, grads = grad_fn(params, micro_tokens)
             return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
 
         zeros = jax.tree.map(jnp.zeros_like, params)
@@ -62,7 +72,7 @@ def accumulated_grads(loss_fn, microbatches: int) -> GradFn:
                                                tokens_AxMxT)
         return loss_sum / microbatches, jax.tree.map(lambda g: g / microbatches, grad_sum)
 
-    return grad_fn
+    return accumulate
 
 
 def make_train_step(tx: optax.GradientTransformation, schedule: optax.Schedule,

@@ -33,6 +33,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", help="YAML config file, e.g. configs/tiny.yaml")
     parser.add_argument("--print-config", action="store_true",
                         help="print the resolved config and exit")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="compile one step, print the mesh, parameter shardings and "
+                             "per-device memory, and exit without training")
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
     return parser
 
@@ -149,6 +152,23 @@ def _report(step, metrics, eval_loss, log: MetricsLog, clock: dict, flops_per_st
     return record
 
 
+def dry_run(config: config_lib.Config) -> dict:
+    """Compile one step from abstract shapes (nothing is allocated) and describe the layout."""
+    from jaxtron.sharding.report import format_memory, memory_report, parameter_table
+    from jaxtron.trainer import Trainer
+
+    trainer = Trainer(config)
+    state = trainer.abstract_state()
+    start = time.perf_counter()
+    compiled = trainer.compile_step(state, trainer.abstract_batch())
+    report = memory_report(state, compiled)
+    print(f"mesh: {describe_mesh(trainer.mesh)}; axes {dict(trainer.mesh.shape)}")
+    print(parameter_table(state.params))
+    print(format_memory(report))
+    print(f"compiled one step in {time.perf_counter() - start:.1f} s")
+    return report
+
+
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -156,7 +176,10 @@ def main(argv=None) -> int:
         if args.print_config:
             print(config_lib.dump(config), end="")
             return 0
-        run(config)
+        if args.dry_run:
+            dry_run(config)
+        else:
+            run(config)
     except JaxtronError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

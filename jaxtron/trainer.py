@@ -23,9 +23,9 @@ from jaxtron.models import Transformer
 from jaxtron.optim import build_optimizer, learning_rate
 from jaxtron.sharding.mesh import build_mesh
 from jaxtron.sharding.rules import (activation_rules, activation_sharding, check_rules,
-                                    param_rules, spec_for, variable_shardings)
+                                    optimizer_rules, param_rules, spec_for, variable_shardings)
 from jaxtron.step import (TrainState, accumulated_grads, make_eval_step, make_loss_fn,
-                          make_train_step, plain_grads)
+                          make_train_step, plain_grads, sharded_grads)
 
 
 class Trainer:
@@ -41,18 +41,27 @@ class Trainer:
         self.graphdef, _ = nnx.split(abstract_model)
         self.loss_fn = make_loss_fn(self.graphdef)
 
-        abstract_state = jax.eval_shape(self._init)
-        self.state_shardings = variable_shardings(abstract_state, self.param_rules, self.mesh)
+        abstract = jax.eval_shape(self._init)
+        replicated = NamedSharding(self.mesh, PartitionSpec())
+        zero_rules = optimizer_rules(config)
+        self.state_shardings = TrainState(
+            step=replicated,
+            params=variable_shardings(abstract.params, self.param_rules, self.mesh),
+            opt_state=variable_shardings(abstract.opt_state, zero_rules, self.mesh))
         self.batch_sharding = NamedSharding(self.mesh, spec_for(("batch", None),
                                                                 self.activation_rules, self.mesh))
-        replicated = NamedSharding(self.mesh, PartitionSpec())
-        accum = config.optim.grad_accum
-        grad_fn = (plain_grads(self.loss_fn) if accum == 1
-                   else accumulated_grads(self.loss_fn, accum))
+        grad_fn = plain_grads(self.loss_fn)
+        if config.optim.zero_stage >= 2:
+            grad_fn = sharded_grads(grad_fn, variable_shardings(abstract.params, zero_rules,
+                                                                self.mesh))
+        if config.optim.grad_accum > 1:
+            grad_fn = accumulated_grads(grad_fn, config.optim.grad_accum)
         self._step = jax.jit(make_train_step(self.tx, self.schedule, grad_fn),
                              in_shardings=(self.state_shardings, self.batch_sharding),
                              out_shardings=(self.state_shardings, replicated),
                              donate_argnums=0)
+        self._grads = jax.jit(grad_fn, in_shardings=(self.state_shardings.params,
+                                                     self.batch_sharding))
         self._eval = jax.jit(make_eval_step(self.loss_fn),
                              in_shardings=(self.state_shardings.params, self.batch_sharding),
                              out_shardings=replicated)
@@ -66,6 +75,24 @@ class Trainer:
                 f"each step's microbatch of train.batch_size / optim.grad_accum = {micro} "
                 f"sequences must split evenly over mesh.data x mesh.fsdp = {split} devices; "
                 f"make train.batch_size a multiple of {split * c.optim.grad_accum}.")
+        ring = 2 * self.mesh.shape["sequence"]
+        if c.data.seq_len % ring:
+            raise ConfigError(
+                f"data.seq_len={c.data.seq_len} must be a multiple of 2 x mesh.sequence = {ring}: "
+                "context parallelism cuts the sequence into two chunks per device.")
+        tensor = self.mesh.shape["tensor"]
+        if c.mesh.sequence_parallel and c.data.seq_len % (tensor * self.mesh.shape["sequence"]):
+            raise ConfigError(
+                f"data.seq_len={c.data.seq_len} must be divisible by mesh.tensor x mesh.sequence "
+                f"= {tensor * self.mesh.shape['sequence']} for mesh.sequence_parallel=true.")
+        for field, size in (("num_heads", c.model.num_heads), ("mlp_dim", c.model.mlp_dim),
+                            ("vocab_size", c.model.vocab_size)):
+            if size % tensor:
+                raise ConfigError(f"mesh.tensor={tensor} must divide model.{field}={size}; "
+                                  "choose a tensor degree that divides it.")
+        if c.model.d_model % self.mesh.shape["fsdp"]:
+            raise ConfigError(f"mesh.fsdp={self.mesh.shape['fsdp']} must divide "
+                              f"model.d_model={c.model.d_model}.")
         if jax.process_count() > 1 and c.train.batch_size % jax.process_count():
             raise ConfigError(f"train.batch_size={c.train.batch_size} must divide evenly over "
                               f"{jax.process_count()} processes.")
@@ -94,6 +121,20 @@ class Trainer:
     def step(self, state: TrainState, batch: dict) -> tuple[TrainState, dict]:
         with self._tracing():
             return self._step(state, batch)
+
+    def loss_and_grads(self, params, batch: dict):
+        """The step's loss and gradients, without updating anything (for checks)."""
+        with self._tracing():
+            return self._grads(params, batch["tokens"])
+
+    def abstract_state(self) -> TrainState:
+        """Shapes, dtypes and shardings of the state, without allocating it."""
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                            jax.eval_shape(self._init), self.state_shardings)
+
+    def abstract_batch(self) -> dict:
+        shape = (self.config.train.batch_size, self.config.data.seq_len + 1)
+        return {"tokens": jax.ShapeDtypeStruct(shape, np.int32, sharding=self.batch_sharding)}
 
     def eval_loss(self, state: TrainState, batch: dict) -> jax.Array:
         with self._tracing():

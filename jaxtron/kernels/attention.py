@@ -1,7 +1,8 @@
 """The one attention entry point the model calls, dispatching on an enum.
 
 `xla` is the plain-jnp reference; `cudnn` is JAX's fused cuDNN path (NVIDIA GPUs only); `auto`
-takes cuDNN on a GPU and the reference elsewhere.
+takes cuDNN on a GPU and the reference elsewhere. When the step is traced on a mesh with a
+`sequence` axis (context parallelism), every implementation runs as ring attention.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import jax
 
 from jaxtron.errors import ConfigError
 from jaxtron.kernels.reference import reference_attention
+from jaxtron.kernels.ring import ring_attention
+from jaxtron.sharding.rules import active_mesh
 
 
 class AttentionImpl(str, enum.Enum):
@@ -33,6 +36,12 @@ def resolve_impl(impl: str | AttentionImpl) -> AttentionImpl:
 def attention(q, k, v, *, causal: bool = True, segment_ids=None, impl="auto"):
     """q_BxLxHxK, k/v_BxSxGxK -> out_BxLxHxK (G divides H: grouped-query attention)."""
     impl = resolve_impl(impl)
+    mesh = active_mesh()
+    if mesh is not None and mesh.shape.get("sequence", 1) > 1:
+        if segment_ids is not None:
+            raise ConfigError("packed segments are not supported with context parallelism; "
+                              "set mesh.sequence=1 or train on unpacked windows.")
+        return ring_attention(q, k, v, mesh=mesh, causal=causal)
     if impl is AttentionImpl.CUDNN and segment_ids is None:
         return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
     # Packed segments are not expressible through jax.nn's cuDNN arguments: use the reference.

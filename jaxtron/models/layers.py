@@ -155,7 +155,7 @@ class Block(nnx.Module):
         self.mlp = MLP(cfg, rngs)
 
     def __call__(self, x_BxLxD, positions_L):
-        x_BxLxD = constrain(x_BxLxD, ("batch", "seq", "embed"))
+        x_BxLxD = constrain(x_BxLxD, ("batch", "residual_seq", "embed"))
         x_BxLxD = x_BxLxD + self.attn(self.attn_norm(x_BxLxD), positions_L)
         x_BxLxD = x_BxLxD + self.mlp(self.mlp_norm(x_BxLxD))
-        return constrain(x_BxLxD, ("batch", "seq", "embed"))
+        return constrain(x_BxLxD, ("batch", "residual_seq", "embed"))

@@ -53,10 +53,13 @@ class Transformer(nnx.Module):
         dt = jnp.dtype(cfg.dtype)
         length = tokens_BxL.shape[1]
         positions_L = jnp.arange(length)
-        x_BxLxD = jnp.take(self.embed[...], tokens_BxL, axis=0).astype(dt)
+        # In the compute layout (activation rules) the table is split by vocabulary only: a
+        # vocab-parallel lookup whose partial rows are summed across the tensor axis.
+        table_VxD = constrain(self.embed[...], ("vocab", "embed"))
+        x_BxLxD = jnp.take(table_VxD, tokens_BxL, axis=0).astype(dt)
         if cfg.type == "gpt2":
             x_BxLxD = x_BxLxD + self.pos_embed[:length].astype(dt)
-        x_BxLxD = constrain(x_BxLxD, ("batch", "seq", "embed"))
+        x_BxLxD = constrain(x_BxLxD, ("batch", "residual_seq", "embed"))
         x_BxLxD = self._run_blocks(x_BxLxD, positions_L)
         x_BxLxD = self.final_norm(x_BxLxD)
         head_DxV = self.embed[...].T if cfg.tied_embeddings else self.lm_head[...]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 
 import jax
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
 from jaxtron.config import MeshConfig
@@ -41,16 +42,34 @@ def resolve_degrees(mesh: MeshConfig, num_devices: int) -> dict[str, int]:
 
 
 def _describe(degrees: dict[str, int]) -> str:
-    shown = [f"mesh.{a}={d}" for a, d in degrees.items() if d != 1] or ["all degrees 1"]
+    shown = [f"mesh.{a}={d}" for a, d in degrees.items() if d != 1] or ["all 1"]
     return " x ".join(shown)
+
+
+def cross_host_degrees(mesh: MeshConfig) -> dict[str, int]:
+    """The part of each degree that spans hosts (`mesh.dcn_*`); 1 for intra-host axes."""
+    return {axis: getattr(mesh, f"dcn_{axis}", 1) for axis in MESH_AXES}
 
 
 def build_mesh(mesh: MeshConfig, devices=None) -> Mesh:
     devices = list(devices if devices is not None else jax.devices())
     degrees = resolve_degrees(mesh, len(devices))
     shape = tuple(degrees[axis] for axis in MESH_AXES)
-    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES),
-                         devices=devices)
+    axis_types = (AxisType.Auto,) * len(MESH_AXES)
+    dcn = cross_host_degrees(mesh)
+    hosts = len({d.process_index for d in devices})
+    if math.prod(dcn.values()) == 1:
+        return jax.make_mesh(shape, MESH_AXES, axis_types=axis_types, devices=devices)
+    if math.prod(dcn.values()) != hosts:
+        raise ConfigError(
+            f"the cross-host degrees {_describe({f'dcn_{a}': d for a, d in dcn.items()})} "
+            f"multiply to {math.prod(dcn.values())}, but the devices belong to {hosts} "
+            "process(es); run one process per host and make the mesh.dcn_* product equal the "
+            "host count.")
+    inner = tuple(degrees[a] // dcn[a] for a in MESH_AXES)
+    outer = tuple(dcn[a] for a in MESH_AXES)
+    grid = mesh_utils.create_hybrid_device_mesh(inner, outer, devices, process_is_granule=True)
+    return Mesh(grid, MESH_AXES, axis_types=axis_types)
 
 
 def describe_mesh(mesh: Mesh) -> str:

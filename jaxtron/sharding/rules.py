@@ -25,24 +25,36 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtron.config import Config
 from jaxtron.errors import ConfigError
 
-LOGICAL_AXES = ("batch", "seq", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab",
-                "expert", "layers")
+LOGICAL_AXES = ("batch", "seq", "residual_seq", "embed", "heads", "kv_heads", "head_dim", "mlp",
+                "vocab", "expert", "layers")
 
 Rules = dict[str, tuple[str, ...]]
 
 
 def param_rules(config: Config) -> Rules:
     del config  # the same placement serves every layout; absent mesh axes have size 1
-    return {"batch": (), "seq": (), "embed": ("fsdp",), "heads": ("tensor",),
-            "kv_heads": ("tensor",), "head_dim": (), "mlp": ("tensor",), "vocab": ("tensor",),
-            "expert": ("expert",), "layers": ()}
+    return {"batch": (), "seq": (), "residual_seq": (), "embed": ("fsdp",),
+            "heads": ("tensor",), "kv_heads": ("tensor",), "head_dim": (), "mlp": ("tensor",),
+            "vocab": ("tensor",), "expert": ("expert",), "layers": ()}
+
+
+def optimizer_rules(config: Config) -> Rules:
+    """Adam moments: like their parameters, plus ZeRO-1/2 sharding of `embed` over `data`."""
+    rules = param_rules(config)
+    if config.optim.zero_stage >= 1:
+        rules["embed"] = ("fsdp", "data")
+    return rules
 
 
 def activation_rules(config: Config) -> Rules:
-    del config
-    return {"batch": ("data", "fsdp"), "seq": ("sequence",), "embed": (), "heads": ("tensor",),
-            "kv_heads": ("tensor",), "head_dim": (), "mlp": ("tensor",), "vocab": ("tensor",),
-            "expert": ("expert",), "layers": ()}
+    """`residual_seq` is the sequence axis outside tensor-parallel regions (residual stream,
+    norms): Megatron sequence parallelism shards it over `tensor` too, which turns each block's
+    all-reduce into a reduce-scatter after the row-parallel matmul and an all-gather before the
+    next column-parallel one."""
+    sp = ("tensor",) if config.mesh.sequence_parallel else ()
+    return {"batch": ("data", "fsdp"), "seq": ("sequence",), "residual_seq": ("sequence", *sp),
+            "embed": (), "heads": ("tensor",), "kv_heads": ("tensor",), "head_dim": (),
+            "mlp": ("tensor",), "vocab": ("tensor",), "expert": ("expert",), "layers": ()}
 
 
 # Logical axes that fall back to replication when their size does not divide the mesh axes:
@@ -125,6 +137,17 @@ def activation_sharding(mesh: Mesh, rules: Rules) -> Iterator[None]:
         yield
     finally:
         _ACTIVE.reset(token)
+
+
+def active_mesh() -> Mesh | None:
+    """The mesh of the step being traced, for kernels that shard_map over it."""
+    active = _ACTIVE.get()
+    return active[0] if active else None
+
+
+def active_spec(names: Sequence[str | None], shape=None) -> PartitionSpec | None:
+    active = _ACTIVE.get()
+    return spec_for(names, active[1], active[0], shape) if active else None
 
 
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
