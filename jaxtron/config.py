@@ -29,8 +29,9 @@ def _f(default, help: str, choices: tuple | None = None):
 
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "save_dots")
-ATTENTION_IMPLS = ("auto", "xla", "cudnn")
+ATTENTION_IMPLS = ("auto", "xla", "cudnn", "pallas")
 MODEL_TYPES = ("llama", "gpt2")
+PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved")
 
 
 @dataclass(frozen=True)
@@ -83,9 +84,12 @@ class MeshConfig:
 
 @dataclass(frozen=True)
 class PipelineConfig:
-    schedule: str = _f("none", "pipeline schedule", ("none",))
-    microbatches: int = _f(1, "microbatches per step in the pipeline")
+    schedule: str = _f("1f1b", "pipeline schedule (with mesh.stage > 1)", PIPELINE_SCHEDULES)
+    microbatches: int = _f(1, "microbatches per step flowing through the pipeline")
     virtual_stages: int = _f(1, "model chunks per device (interleaved schedule)")
+    layers_per_stage: tuple[int, ...] | None = _f(
+        None, "layers of each virtual stage in order, e.g. [3, 3, 2, 2] (null = as even as "
+        "possible)")
 
 
 @dataclass(frozen=True)
@@ -159,6 +163,9 @@ def _coerce(path: str, value: Any, annotation) -> Any:
             return None
         raise ConfigError(f"{path} may not be null; give a {allowed[0].__name__}.")
     for t in allowed:
+        if typing.get_origin(t) is tuple and isinstance(value, (list, tuple)):
+            item = typing.get_args(t)[0]
+            return tuple(_coerce(f"{path}[{i}]", v, item) for i, v in enumerate(value))
         if t is bool and isinstance(value, bool):
             return value
         if t is int and isinstance(value, int) and not isinstance(value, bool):
@@ -172,7 +179,8 @@ def _coerce(path: str, value: Any, annotation) -> Any:
                 return float(value)
             except ValueError:
                 pass
-    names = " or ".join(t.__name__ for t in allowed if t is not type(None))
+    names = " or ".join("a list" if typing.get_origin(t) is tuple else t.__name__
+                        for t in allowed if t is not type(None))
     raise ConfigError(f"{path}={value!r} has type {type(value).__name__}; it must be {names}.")
 
 
@@ -319,16 +327,48 @@ def validate(c: Config) -> None:
     _check(sum(getattr(mesh, n) == -1 for n in ("data", "fsdp", "tensor", "sequence", "expert",
                                                  "stage")) <= 1,
            "only one mesh degree may be -1 (= the rest); give the others explicit values.")
-    for name in ("stage", "expert"):
-        _check(getattr(mesh, name) == 1,
-               f"mesh.{name}={getattr(mesh, name)} is not available in this version; "
-               f"set mesh.{name}=1.")
+    _check(mesh.expert == 1, f"mesh.expert={mesh.expert} is not available in this version; "
+           "set mesh.expert=1.")
+    _validate_pipeline(c)
     for name in ("data", "fsdp", "stage"):
         dcn, total = getattr(mesh, f"dcn_{name}"), getattr(mesh, name)
         _check(dcn > 0, f"mesh.dcn_{name}={dcn} must be a positive integer.")
         _check(total == -1 or total % dcn == 0,
                f"mesh.dcn_{name}={dcn} must divide mesh.{name}={total}: it is the cross-host "
                f"factor of that degree.")
-    _check(c.pipeline.microbatches == 1 and c.pipeline.virtual_stages == 1,
-           "pipeline.microbatches and pipeline.virtual_stages need pipeline parallelism, which "
-           "is not available in this version; leave both at 1.")
+
+
+def _validate_pipeline(c: Config) -> None:
+    pp, stages = c.pipeline, c.mesh.stage
+    if stages == 1:
+        _check(pp.microbatches == 1 and pp.virtual_stages == 1 and pp.layers_per_stage is None,
+               "pipeline.microbatches, pipeline.virtual_stages and pipeline.layers_per_stage "
+               "need mesh.stage > 1; without a pipeline use optim.grad_accum for microbatches.")
+        return
+    _check(stages > 1, f"mesh.stage={stages} must be an explicit degree (-1 is not allowed for "
+           "the pipeline axis).")
+    _check(c.mesh.sequence == 1, "mesh.stage > 1 with mesh.sequence > 1 (pipeline with "
+           "context parallelism) is not supported; set one of them to 1.")
+    v, m = pp.virtual_stages, pp.microbatches
+    if pp.schedule == "interleaved":
+        _check(v >= 2, f"pipeline.schedule=interleaved needs pipeline.virtual_stages >= 2 "
+               f"(got {v}); use 1f1b for one chunk per device.")
+        _check(m % stages == 0, f"pipeline.schedule=interleaved needs pipeline.microbatches "
+               f"({m}) to be a multiple of mesh.stage ({stages}).")
+    else:
+        _check(v == 1, f"pipeline.virtual_stages={v} needs pipeline.schedule=interleaved.")
+    n_virtual = stages * v
+    if pp.layers_per_stage is None:
+        _check(c.model.num_layers >= n_virtual,
+               f"model.num_layers={c.model.num_layers} cannot be split over mesh.stage x "
+               f"pipeline.virtual_stages = {n_virtual} pipeline stages; use fewer stages.")
+    else:
+        counts = pp.layers_per_stage
+        _check(len(counts) == n_virtual and sum(counts) == c.model.num_layers
+               and min(counts) >= 1,
+               f"pipeline.layers_per_stage={list(counts)} must list {n_virtual} positive layer "
+               f"counts (mesh.stage x pipeline.virtual_stages) summing to model.num_layers="
+               f"{c.model.num_layers}.")
+    per_step = c.train.batch_size // c.optim.grad_accum
+    _check(per_step % m == 0, f"train.batch_size / optim.grad_accum = {per_step} must be "
+           f"divisible by pipeline.microbatches={m}.")

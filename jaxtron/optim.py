@@ -1,7 +1,7 @@
 """AdamW with linear warmup, cosine decay and global-norm clipping (optax).
 
-Weight decay applies to matrices only: a parameter whose logical axes, less the stacked `layers`
-axis, span two or more dimensions. Norm scales and biases are not decayed (Megatron's default).
+Weight decay applies to matrices only: a parameter whose logical axes, less the axes that stack
+layers (`layers`, and `stage` in the pipeline layout), span two or more dimensions. Norm scales and biases are not decayed (Megatron's default).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def learning_rate(config: Config) -> optax.Schedule:
 
 def decay_mask(params):
     def is_matrix(variable: nnx.Variable):
-        names = [n for n in logical_names(variable) if n != "layers"]
+        names = [n for n in logical_names(variable) if n not in ("layers", "stage")]
         return variable.replace(len(names) >= 2)
 
     return jax.tree.map(is_matrix, params, is_leaf=lambda x: isinstance(x, nnx.Variable))

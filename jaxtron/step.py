@@ -88,8 +88,8 @@ def make_train_step(tx: optax.GradientTransformation, schedule: optax.Schedule,
     return train_step
 
 
-def make_eval_step(loss_fn):
+def make_eval_step(loss_fn, to_model_params=lambda params: params):
     def eval_step(params, batch: dict) -> jax.Array:
-        return loss_fn(params, batch["tokens"])
+        return loss_fn(to_model_params(params), batch["tokens"])
 
     return eval_step

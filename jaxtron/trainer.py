@@ -21,6 +21,7 @@ from jaxtron.config import Config
 from jaxtron.errors import ConfigError
 from jaxtron.models import Transformer
 from jaxtron.optim import build_optimizer, learning_rate
+from jaxtron.pipelined import PipelinedTransformer
 from jaxtron.sharding.mesh import build_mesh
 from jaxtron.sharding.rules import (activation_rules, activation_sharding, check_rules,
                                     optimizer_rules, param_rules, spec_for, variable_shardings)
@@ -39,6 +40,8 @@ class Trainer:
         self.tx, self.schedule = build_optimizer(config), learning_rate(config)
         abstract_model = nnx.eval_shape(self._new_model)
         self.graphdef, _ = nnx.split(abstract_model)
+        self.pipeline = (PipelinedTransformer(config, self.mesh) if config.mesh.stage > 1
+                         else None)
         self.loss_fn = make_loss_fn(self.graphdef)
 
         abstract = jax.eval_shape(self._init)
@@ -50,7 +53,8 @@ class Trainer:
             opt_state=variable_shardings(abstract.opt_state, zero_rules, self.mesh))
         self.batch_sharding = NamedSharding(self.mesh, spec_for(("batch", None),
                                                                 self.activation_rules, self.mesh))
-        grad_fn = plain_grads(self.loss_fn)
+        grad_fn = (self.pipeline.value_and_grad if self.pipeline
+                   else plain_grads(self.loss_fn))
         if config.optim.zero_stage >= 2:
             grad_fn = sharded_grads(grad_fn, variable_shardings(abstract.params, zero_rules,
                                                                 self.mesh))
@@ -62,19 +66,21 @@ class Trainer:
                              donate_argnums=0)
         self._grads = jax.jit(grad_fn, in_shardings=(self.state_shardings.params,
                                                      self.batch_sharding))
-        self._eval = jax.jit(make_eval_step(self.loss_fn),
+        self._eval = jax.jit(make_eval_step(self.loss_fn, self.to_model_params),
                              in_shardings=(self.state_shardings.params, self.batch_sharding),
                              out_shardings=replicated)
 
     def _check_batch(self) -> None:
         c = self.config
         split = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
-        micro = c.train.batch_size // c.optim.grad_accum
+        parts = c.optim.grad_accum * (c.pipeline.microbatches if c.mesh.stage > 1 else 1)
+        micro = c.train.batch_size // parts
         if micro % split:
             raise ConfigError(
-                f"each step's microbatch of train.batch_size / optim.grad_accum = {micro} "
-                f"sequences must split evenly over mesh.data x mesh.fsdp = {split} devices; "
-                f"make train.batch_size a multiple of {split * c.optim.grad_accum}.")
+                f"each microbatch of train.batch_size / (optim.grad_accum x "
+                f"pipeline.microbatches) = {micro} sequences must split evenly over mesh.data x "
+                f"mesh.fsdp = {split} devices; make train.batch_size a multiple of "
+                f"{split * parts}.")
         ring = 2 * self.mesh.shape["sequence"]
         if c.data.seq_len % ring:
             raise ConfigError(
@@ -102,6 +108,8 @@ class Trainer:
 
     def _init(self) -> TrainState:
         params = nnx.state(self._new_model(), nnx.Param)
+        if self.pipeline:
+            params = self.pipeline.to_pipeline_params(params)
         return TrainState(step=jax.numpy.zeros((), jax.numpy.int32), params=params,
                           opt_state=self.tx.init(params))
 
@@ -145,6 +153,10 @@ class Trainer:
         return {k: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(v))
                 for k, v in local_batch.items()}
 
+    def to_model_params(self, params):
+        """The model's own parameter layout (undoes the pipeline layout, if any)."""
+        return self.pipeline.to_model_params(params) if self.pipeline else params
+
     def model(self, state: TrainState) -> Transformer:
         """The NNX model with the state's parameters, for inspection or generation."""
-        return nnx.merge(self.graphdef, state.params)
+        return nnx.merge(self.graphdef, self.to_model_params(state.params))

@@ -84,8 +84,8 @@ def test_every_parameter_has_logical_axis_names():
 def test_llama_and_gpt2_variants_have_their_parameters():
     llama = dict(nnx.to_flat_state(build()[2]))
     gpt2 = dict(nnx.to_flat_state(build(type="gpt2", num_kv_heads=None)[2]))
-    assert ("lm_head",) in llama and ("lm_head",) not in gpt2  # gpt2 ties embeddings
-    assert ("pos_embed",) in gpt2 and ("pos_embed",) not in llama
+    assert ("head", "lm_head") in llama and ("head", "lm_head") not in gpt2  # gpt2 ties embeddings
+    assert ("embedder", "pos_embed") in gpt2 and ("embedder", "pos_embed") not in llama
     assert ("blocks", "mlp", "w_gate") in llama and ("blocks", "attn", "bq") in gpt2
     assert llama[("blocks", "attn", "wk")].shape == (2, 64, 2, 16)  # N, D, G, K
 

@@ -26,61 +26,92 @@ REMAT_POLICIES = {
 }
 
 
-class Transformer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+class Embedder(nnx.Module):
+    """Token (and, for gpt2, learned position) embeddings; the table doubles as the tied head."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         self.cfg = cfg
-        pd = cfg.param_dtype
         self.embed = param(rngs, normal(cfg.init_std), (cfg.vocab_size, cfg.d_model),
-                           ("vocab", "embed"), pd)
+                           ("vocab", "embed"), cfg.param_dtype)
         if cfg.type == "gpt2":
             self.pos_embed = param(rngs, normal(cfg.init_std), (cfg.max_seq_len, cfg.d_model),
-                                   (None, "embed"), pd)
-
-        @nnx.split_rngs(splits=cfg.num_layers)
-        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-        def make_blocks(rngs):
-            return Block(cfg, rngs)
-
-        self.blocks = make_blocks(rngs)
-        self.final_norm = make_norm(cfg, rngs)
-        if not cfg.tied_embeddings:
-            self.lm_head = param(rngs, normal(cfg.init_std), (cfg.d_model, cfg.vocab_size),
-                                 ("embed", "vocab"), pd)
+                                   (None, "embed"), cfg.param_dtype)
 
     def __call__(self, tokens_BxL):
-        """Token ids -> logits_BxLxV in the compute dtype."""
-        cfg = self.cfg
-        dt = jnp.dtype(cfg.dtype)
-        length = tokens_BxL.shape[1]
-        positions_L = jnp.arange(length)
+        dt = jnp.dtype(self.cfg.dtype)
         # In the compute layout (activation rules) the table is split by vocabulary only: a
         # vocab-parallel lookup whose partial rows are summed across the tensor axis.
         table_VxD = constrain(self.embed[...], ("vocab", "embed"))
         x_BxLxD = jnp.take(table_VxD, tokens_BxL, axis=0).astype(dt)
-        if cfg.type == "gpt2":
-            x_BxLxD = x_BxLxD + self.pos_embed[:length].astype(dt)
-        x_BxLxD = constrain(x_BxLxD, ("batch", "residual_seq", "embed"))
-        x_BxLxD = self._run_blocks(x_BxLxD, positions_L)
+        if self.cfg.type == "gpt2":
+            x_BxLxD = x_BxLxD + self.pos_embed[:tokens_BxL.shape[1]].astype(dt)
+        return constrain(x_BxLxD, ("batch", "residual_seq", "embed"))
+
+
+class Head(nnx.Module):
+    """Final norm and output projection; with tied embeddings the projection is the table."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.final_norm = make_norm(cfg, rngs)
+        if not cfg.tied_embeddings:
+            self.lm_head = param(rngs, normal(cfg.init_std), (cfg.d_model, cfg.vocab_size),
+                                 ("embed", "vocab"), cfg.param_dtype)
+
+    def __call__(self, x_BxLxD, table_VxD=None):
         x_BxLxD = self.final_norm(x_BxLxD)
-        head_DxV = self.embed[...].T if cfg.tied_embeddings else self.lm_head[...]
-        logits_BxLxV = x_BxLxD @ head_DxV.astype(dt)
+        head_DxV = table_VxD.T if self.cfg.tied_embeddings else self.lm_head[...]
+        logits_BxLxV = x_BxLxD @ head_DxV.astype(x_BxLxD.dtype)
         return constrain(logits_BxLxV, ("batch", "seq", "vocab"))
 
-    def _run_blocks(self, x_BxLxD, positions_L):
-        graphdef, stacked = nnx.split(self.blocks)
 
-        def body(x, layer_state):
-            return nnx.merge(graphdef, layer_state)(x, positions_L), None
+def make_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
+    """N blocks as one Block whose parameters carry a leading `layers` axis."""
 
-        if self.cfg.remat != "none":
-            body = jax.checkpoint(body, policy=REMAT_POLICIES[self.cfg.remat],
-                                  prevent_cse=not self.cfg.scan_layers)
-        if self.cfg.scan_layers:
-            x_BxLxD, _ = jax.lax.scan(body, x_BxLxD, stacked)
-            return x_BxLxD
-        for i in range(self.cfg.num_layers):
-            x_BxLxD, _ = body(x_BxLxD, jax.tree.map(lambda a: a[i], stacked))
+    @nnx.split_rngs(splits=cfg.num_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def create(rngs):
+        return Block(cfg, rngs)
+
+    return create(rngs)
+
+
+def run_blocks(cfg: ModelConfig, graphdef, stacked, x_BxLxD, active_N=None):
+    """Apply stacked blocks in order; where `active_N` is False a block is the identity
+    (padding in uneven pipeline splits)."""
+    positions_L = jnp.arange(x_BxLxD.shape[1])
+
+    def body(x, layer):
+        layer_state, active = layer
+        y = nnx.merge(graphdef, layer_state)(x, positions_L)
+        return (y if active is None else jnp.where(active, y, x)), None
+
+    if cfg.remat != "none":
+        body = jax.checkpoint(body, policy=REMAT_POLICIES[cfg.remat],
+                              prevent_cse=not cfg.scan_layers)
+    if cfg.scan_layers:
+        x_BxLxD, _ = jax.lax.scan(body, x_BxLxD, (stacked, active_N))
         return x_BxLxD
+    count = jax.tree.leaves(stacked)[0].shape[0]
+    for i in range(count):
+        layer = jax.tree.map(lambda a: a[i], (stacked, active_N))
+        x_BxLxD, _ = body(x_BxLxD, layer)
+    return x_BxLxD
+
+
+class Transformer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embedder = Embedder(cfg, rngs)
+        self.blocks = make_blocks(cfg, rngs)
+        self.head = Head(cfg, rngs)
+
+    def __call__(self, tokens_BxL):
+        """Token ids -> logits_BxLxV in the compute dtype."""
+        x_BxLxD = self.embedder(tokens_BxL)
+        graphdef, stacked = nnx.split(self.blocks)
+        x_BxLxD = run_blocks(self.cfg, graphdef, stacked, x_BxLxD)
+        return self.head(x_BxLxD, self.embedder.embed[...])
 
 
 def cross_entropy_loss(logits_BxLxV, targets_BxL, weights_BxL=None):

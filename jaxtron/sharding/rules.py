@@ -26,7 +26,7 @@ from jaxtron.config import Config
 from jaxtron.errors import ConfigError
 
 LOGICAL_AXES = ("batch", "seq", "residual_seq", "embed", "heads", "kv_heads", "head_dim", "mlp",
-                "vocab", "expert", "layers")
+                "vocab", "expert", "layers", "stage")
 
 Rules = dict[str, tuple[str, ...]]
 
@@ -35,7 +35,7 @@ def param_rules(config: Config) -> Rules:
     del config  # the same placement serves every layout; absent mesh axes have size 1
     return {"batch": (), "seq": (), "residual_seq": (), "embed": ("fsdp",),
             "heads": ("tensor",), "kv_heads": ("tensor",), "head_dim": (), "mlp": ("tensor",),
-            "vocab": ("tensor",), "expert": ("expert",), "layers": ()}
+            "vocab": ("tensor",), "expert": ("expert",), "layers": (), "stage": ("stage",)}
 
 
 def optimizer_rules(config: Config) -> Rules:
@@ -54,7 +54,8 @@ def activation_rules(config: Config) -> Rules:
     sp = ("tensor",) if config.mesh.sequence_parallel else ()
     return {"batch": ("data", "fsdp"), "seq": ("sequence",), "residual_seq": ("sequence", *sp),
             "embed": (), "heads": ("tensor",), "kv_heads": ("tensor",), "head_dim": (),
-            "mlp": ("tensor",), "vocab": ("tensor",), "expert": ("expert",), "layers": ()}
+            "mlp": ("tensor",), "vocab": ("tensor",), "expert": ("expert",), "layers": (),
+            "stage": ("stage",)}
 
 
 # Logical axes that fall back to replication when their size does not divide the mesh axes:

@@ -1,0 +1,191 @@
+"""Pipeline schedules as plain data: a tick table of who runs which forward or backward.
+
+Each device (pipeline rank) lists the actions it wants to run, in order: GPipe runs every
+forward then every backward; 1F1B (Narayanan et al. 2021, PipeDream-Flush) runs `p - d - 1`
+warm-up forwards on rank d, then alternates one forward and one backward; interleaved 1F1B
+(Megatron-LM) gives each rank `v` model chunks, virtual stage `c * p + d`, and walks
+microbatches in groups of p per chunk. `build_table` then places every action at the earliest
+tick its inputs exist (a value sent at tick t is usable at tick t + 1), one action per device
+per tick, each taking one tick. The idle cells are the bubble: (p-1)/(m+p-1) for GPipe and 1F1B,
+(p-1)/(v*m+p-1) for interleaved.
+
+The table also assigns buffer slots: where each device keeps a received activation until its
+backward has used it, and where it keeps a received gradient. The number of slots is the
+memory the schedule needs: GPipe's grows with m, 1F1B's stays near p.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+IDLE, FORWARD, BACKWARD = 0, 1, 2
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+@dataclasses.dataclass(frozen=True)
+class Action:
+    kind: int  # FORWARD or BACKWARD
+    microbatch: int
+    chunk: int
+
+
+def device_orders(schedule: str, stages: int, microbatches: int,
+                  virtual: int = 1) -> list[list[Action]]:
+    """The order in which each device runs its actions."""
+    p, m, v = stages, microbatches, virtual
+    if schedule == "gpipe":
+        return [[Action(FORWARD, mb, c) for c in range(v) for mb in range(m)] +
+                [Action(BACKWARD, mb, c) for c in reversed(range(v)) for mb in range(m)]
+                for _ in range(p)]
+    if schedule == "1f1b" and v == 1:
+        forwards = [Action(FORWARD, mb, 0) for mb in range(m)]
+        backwards = [Action(BACKWARD, mb, 0) for mb in range(m)]
+        return [_one_forward_one_backward(forwards, backwards, min(p - d - 1, m))
+                for d in range(p)]
+    if schedule == "interleaved":
+        groups = range(0, m, p)
+        forwards = [Action(FORWARD, mb, c) for g in groups for c in range(v)
+                    for mb in range(g, min(g + p, m))]
+        backwards = [Action(BACKWARD, mb, c) for g in groups for c in reversed(range(v))
+                     for mb in range(g, min(g + p, m))]
+        return [_one_forward_one_backward(forwards, backwards,
+                                          min((p - d - 1) * 2 + (v - 1) * p, m * v))
+                for d in range(p)]
+    raise ValueError(f"unknown schedule {schedule!r} with virtual={v}")
+
+
+def _one_forward_one_backward(forwards, backwards, warmup: int) -> list[Action]:
+    order = list(forwards[:warmup])
+    for i, forward in enumerate(forwards[warmup:]):
+        order += [forward, backwards[i]]
+    return order + list(backwards[len(forwards) - warmup:])
+
+
+@dataclasses.dataclass(frozen=True)
+class Table:
+    """Per tick and device: action kind, microbatch, chunk, and buffer slots.
+
+    act_slot / grad_slot: where the input activation / incoming gradient of the action is.
+    recv_act / recv_grad: where to store what arrives at the end of the tick; the last slot
+    (index act_slots / grad_slots) is scratch for values nobody needs.
+    """
+    kind: np.ndarray
+    microbatch: np.ndarray
+    chunk: np.ndarray
+    act_slot: np.ndarray
+    grad_slot: np.ndarray
+    recv_act: np.ndarray
+    recv_grad: np.ndarray
+    act_slots: int
+    grad_slots: int
+    stages: int
+    virtual: int
+    microbatches: int
+
+    @property
+    def ticks(self) -> int:
+        return self.kind.shape[0]
+
+    @property
+    def bubble(self) -> float:
+        return float(np.mean(self.kind == IDLE))
+
+
+def build_table(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> Table:
+    p, m, v = stages, microbatches, virtual
+    last = p * v - 1
+    orders = device_orders(schedule, p, m, v)
+    done: dict[tuple[int, int, int], int] = {}  # (kind, microbatch, virtual stage) -> tick
+    placed: list[list[tuple[int, Action]]] = [[] for _ in range(p)]
+    cursor = [0] * p
+    tick = 0
+    while any(cursor[d] < len(orders[d]) for d in range(p)):
+        ready = []
+        for d in range(p):
+            if cursor[d] == len(orders[d]):
+                continue
+            a = orders[d][cursor[d]]
+            vs = a.chunk * p + d
+            if a.kind == FORWARD:
+                deps = [] if vs == 0 else [(FORWARD, a.microbatch, vs - 1)]
+            else:
+                deps = [(FORWARD, a.microbatch, vs)] + (
+                    [] if vs == last else [(BACKWARD, a.microbatch, vs + 1)])
+            if all(done.get(dep, tick) < tick for dep in deps):
+                ready.append((d, a, vs))
+        if not ready and tick > 4 * (m * v + p) * 2:
+            raise RuntimeError(f"schedule {schedule} deadlocked at tick {tick}")
+        for d, a, vs in ready:
+            done[(a.kind, a.microbatch, vs)] = tick
+            placed[d].append((tick, a))
+            cursor[d] += 1
+        tick += 1
+    return _assign_slots(placed, tick, p, v, m, done)
+
+
+def _assign_slots(placed, ticks: int, p: int, v: int, m: int, done) -> Table:
+    last = p * v - 1
+    shape = (ticks, p)
+    kind, mb, chunk = (np.zeros(shape, np.int32) for _ in range(3))
+    act_slot, grad_slot = np.zeros(shape, np.int32), np.zeros(shape, np.int32)
+    for d in range(p):
+        for t, a in placed[d]:
+            kind[t, d], mb[t, d], chunk[t, d] = a.kind, a.microbatch, a.chunk
+    # Arrivals: the forward output of (mb, vs - 1) reaches the device of vs at the end of the
+    # tick it was computed; the backward output of (mb, vs + 1) likewise. Each is held until
+    # the backward of (mb, vs) has run.
+    act_events, grad_events = [], []  # (arrival tick, release tick, device, (mb, vs))
+    for (k, micro, vs), t in done.items():
+        if k == FORWARD and vs < last:
+            dest = vs + 1
+            act_events.append((t, done[(BACKWARD, micro, dest)], dest % p, (micro, dest)))
+        if k == BACKWARD and vs > 0:
+            dest = vs - 1
+            grad_events.append((t, done[(BACKWARD, micro, dest)], dest % p, (micro, dest)))
+    act_of, act_slots = _allocate(act_events, p)
+    grad_of, grad_slots = _allocate(grad_events, p)
+    recv_act = np.full(shape, act_slots, np.int32)
+    recv_grad = np.full(shape, grad_slots, np.int32)
+    for t, _, d, key in act_events:
+        recv_act[t, d] = act_of[key]
+    for t, _, d, key in grad_events:
+        recv_grad[t, d] = grad_of[key]
+    for d in range(p):
+        for t, a in placed[d]:
+            key = (a.microbatch, a.chunk * p + d)
+            act_slot[t, d] = act_of.get(key, act_slots)
+            if a.kind == BACKWARD:
+                grad_slot[t, d] = grad_of.get(key, grad_slots)
+    return Table(kind, mb, chunk, act_slot, grad_slot, recv_act, recv_grad, act_slots,
+                 grad_slots, p, v, m)
+
+
+def _allocate(events, p: int):
+    """Smallest free slot per device, held from arrival (end of tick) to release (end of tick)."""
+    slot_of, busy_until = {}, [dict() for _ in range(p)]
+    for arrive, release, d, key in sorted(events):
+        free = [s for s, until in busy_until[d].items() if until <= arrive]
+        slot = min(free) if free else len(busy_until[d])
+        busy_until[d][slot] = release
+        slot_of[key] = slot
+    return slot_of, max([len(b) for b in busy_until] + [1])
+
+
+def render(table: Table) -> str:
+    """A text timeline: one row per device, `F3`/`B3` (chunk as a suffix `F3.1`) or `.`."""
+    cells = []
+    for d in range(table.stages):
+        row = []
+        for t in range(table.ticks):
+            k = table.kind[t, d]
+            if k == IDLE:
+                row.append(".")
+            else:
+                suffix = f".{table.chunk[t, d]}" if table.virtual > 1 else ""
+                row.append(("F" if k == FORWARD else "B") + f"{table.microbatch[t, d]}{suffix}")
+        cells.append(row)
+    width = max(len(c) for row in cells for c in row)
+    return "\n".join(f"stage {d}: " + " ".join(c.rjust(width) for c in row)
+                     for d, row in enumerate(cells))

@@ -1,0 +1,172 @@
+"""Pipeline parallelism: schedules as data, equality with the sequential model, flat memory."""
+
+import json
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxtron.data.pipeline import open_dataset, train_batches
+from jaxtron.pipeline.layout import split_layers
+from jaxtron.pipeline.schedule import BACKWARD, FORWARD, IDLE, build_table
+from jaxtron.trainer import Trainer
+
+from conftest import make_config
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("p", [2, 4])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 8])
+def test_bubble_is_the_published_formula(schedule, p, m):
+    assert build_table(schedule, p, m).bubble == pytest.approx((p - 1) / (m + p - 1))
+
+
+@pytest.mark.parametrize("p, v, m", [(2, 2, 2), (2, 2, 4), (4, 2, 8), (4, 3, 4), (2, 4, 6)])
+def test_interleaving_shrinks_the_bubble_by_v(p, v, m):
+    assert build_table("interleaved", p, m, v).bubble == pytest.approx(
+        (p - 1) / (v * m + p - 1))
+
+
+@pytest.mark.parametrize("schedule, v", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)])
+def test_every_action_runs_once_after_its_inputs(schedule, v):
+    p, m = 4, 8
+    table = build_table(schedule, p, m, v)
+    when = {}
+    for t in range(table.ticks):
+        for d in range(p):
+            if table.kind[t, d] != IDLE:
+                key = (int(table.kind[t, d]), int(table.microbatch[t, d]),
+                       int(table.chunk[t, d]) * p + d)
+                assert key not in when
+                when[key] = t
+    assert len(when) == 2 * m * p * v
+    last = p * v - 1
+    for (kind, mb, vs), t in when.items():
+        if kind == FORWARD and vs > 0:
+            assert when[(FORWARD, mb, vs - 1)] < t
+        if kind == BACKWARD:
+            assert when[(FORWARD, mb, vs)] < t
+            if vs < last:
+                assert when[(BACKWARD, mb, vs + 1)] < t
+
+
+def test_1f1b_holds_at_most_p_activations_while_gpipe_holds_m():
+    for m in (4, 8, 16, 32):
+        assert build_table("1f1b", 4, m).act_slots <= 4
+        assert build_table("gpipe", 4, m).act_slots == m
+
+
+def test_uneven_and_user_layer_splits():
+    layout = split_layers(10, 4)
+    assert layout.active.sum(axis=(1, 2)).tolist() == [3, 3, 2, 2]
+    assert layout.layer_index[1, 0, :3].tolist() == [3, 4, 5]
+    given = split_layers(10, 2, 2, (1, 4, 4, 1))  # virtual stage c * p + d
+    assert given.layer_index[0, 1, :4].tolist() == [5, 6, 7, 8]
+    stacked = np.arange(10 * 3).reshape(10, 3)
+    np.testing.assert_array_equal(given.from_pipeline(given.to_pipeline(stacked)), stacked)
+
+
+def run(layout, model=None, steps=1):
+    config = make_config(layout, model={"num_layers": 4, **(model or {})},
+                         train={"batch_size": 8}, optim={"warmup_steps": 1, "lr": 1e-2})
+    mesh_size = 1
+    for key in ("mesh.data", "mesh.fsdp", "mesh.tensor", "mesh.stage"):
+        mesh_size *= layout.get(key, 1)
+    trainer = Trainer(config, devices=jax.devices()[:mesh_size])
+    batches = train_batches(config, open_dataset(config))
+    state = trainer.init_state()
+    batch = trainer.put_batch(next(batches))
+    loss, grads = trainer.loss_and_grads(state.params, batch)
+    losses = []
+    for _ in range(steps):
+        state, metrics = trainer.step(state, batch)
+        losses.append(float(metrics["loss"]))
+        batch = trainer.put_batch(next(batches))
+    as_model = trainer.to_model_params
+    return (float(loss), jax.device_get(nnx.to_pure_dict(as_model(grads))), losses,
+            jax.device_get(nnx.to_pure_dict(as_model(state.params))))
+
+
+CASES = {
+    "1f1b_p2_m2": {"mesh.stage": 2, "pipeline.microbatches": 2},
+    "1f1b_p4_m4": {"mesh.stage": 4, "pipeline.microbatches": 4},
+    "1f1b_p4_m8_data2": {"mesh.stage": 4, "mesh.data": 2, "pipeline.microbatches": 4},
+    "gpipe_p2_m4": {"mesh.stage": 2, "pipeline.microbatches": 4, "pipeline.schedule": "gpipe"},
+    "gpipe_p4_m2": {"mesh.stage": 4, "pipeline.microbatches": 2, "pipeline.schedule": "gpipe"},
+    "interleaved_p2_v2_m4": {"mesh.stage": 2, "pipeline.microbatches": 4,
+                             "pipeline.schedule": "interleaved", "pipeline.virtual_stages": 2},
+    "uneven_p2_user_split": {"mesh.stage": 2, "pipeline.microbatches": 4,
+                             "pipeline.layers_per_stage": [1, 3]},
+    "1f1b_p2_data2_tensor2": {"mesh.stage": 2, "mesh.data": 2, "mesh.tensor": 2,
+                              "pipeline.microbatches": 2},
+}
+
+
+@pytest.fixture(scope="module")
+def sequential():
+    return {"llama": run({"mesh.data": 1}, steps=2),
+            "gpt2_5": run({"mesh.data": 1}, {"type": "gpt2", "num_kv_heads": None,
+                                             "num_layers": 5}, steps=2)}
+
+
+def assert_same(got, want):
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1]), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(got[2], want[2][:len(got[2])], rtol=1e-5)
+    if len(got[2]) == len(want[2]):
+        for a, b in zip(jax.tree.leaves(got[3]), jax.tree.leaves(want[3]), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_pipeline_matches_sequential_model(name, sequential):
+    layout = {"mesh.data": 1, **CASES[name]}
+    assert_same(run(layout), sequential["llama"])
+
+
+def test_uneven_gpt2_over_four_stages_trains_like_the_sequential_model(sequential):
+    layout = {"mesh.data": 2, "mesh.stage": 4, "pipeline.microbatches": 4}
+    assert_same(run(layout, {"type": "gpt2", "num_kv_heads": None, "num_layers": 5}, steps=2),
+                sequential["gpt2_5"])
+
+
+def temp_bytes(schedule, m):
+    config = make_config({"mesh.data": 1, "mesh.stage": 4, "pipeline.microbatches": m,
+                          "pipeline.schedule": schedule},
+                         model={"num_layers": 4, "d_model": 128, "mlp_dim": 256},
+                         train={"batch_size": 2 * m}, data={"seq_len": 64})
+    trainer = Trainer(config, devices=jax.devices()[:4])
+    compiled = trainer.compile_step(trainer.abstract_state(), trainer.abstract_batch())
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+def test_1f1b_memory_is_flat_in_microbatches_while_gpipe_grows():
+    activation = 2 * 64 * 128 * 4  # one microbatch's [b, L, D] fp32 activation
+    one_f_one_b = [temp_bytes("1f1b", m) for m in (4, 16)]
+    gpipe = [temp_bytes("gpipe", m) for m in (4, 16)]
+    assert abs(one_f_one_b[1] - one_f_one_b[0]) < activation, one_f_one_b
+    assert gpipe[1] - gpipe[0] >= 0.9 * 12 * activation, gpipe
+
+
+def test_train_cli_with_two_stages(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "jaxtron.train", "--config", "configs/tiny.yaml",
+         "mesh.stage=2", "mesh.data=4", "pipeline.microbatches=2", "train.steps=20",
+         "train.log_every=10", "train.eval_every=20", f"train.run_dir={tmp_path}",
+         "data.builtin_max_bytes=400000"], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["loss"] < records[0]["loss"] and "eval_loss" in records[-1]
+    assert "stage=2" in result.stdout
+
+
+def test_show_cli_prints_timeline_and_bubble():
+    result = subprocess.run([sys.executable, "-m", "jaxtron.pipeline.show", "--stages", "4",
+                             "--microbatches", "8", "--schedule", "1f1b"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0
+    assert "stage 3:" in result.stdout and "bubble 0.2727" in result.stdout
