@@ -53,7 +53,7 @@ class ModelConfig:
     param_dtype: str = _f("float32", "storage dtype of parameters (master weights)", COMPUTE_DTYPES)
     remat: str = _f("none", "activation recompute policy for each block", REMAT_POLICIES)
     scan_layers: bool = _f(True, "run blocks with lax.scan (compile time flat in depth)")
-    attention_impl: str = _f("auto", "attention kernel: auto, xla (reference) or cudnn", ATTENTION_IMPLS)
+    attention_impl: str = _f("auto", "attention kernel: auto, xla (reference), cudnn or pallas", ATTENTION_IMPLS)
 
     @property
     def kv_heads(self) -> int:
@@ -66,6 +66,30 @@ class ModelConfig:
     @property
     def tied_embeddings(self) -> bool:
         return self.type == "gpt2"
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    num_experts: int = _f(0, "experts per MoE layer (0 = dense model)")
+    top_k: int = _f(2, "experts each token is routed to")
+    expert_mlp_dim: int | None = _f(None, "hidden width of each expert (null = model.mlp_dim)")
+    every: int = _f(1, "an MoE layer every k-th block (k-1 dense blocks, then one MoE block)")
+    shared_experts: int = _f(0, "always-on shared experts (DeepSeek style), each expert_mlp_dim "
+                             "wide")
+    router: str = _f("topk_then_softmax", "softmax over the chosen k logits (Mixtral) or "
+                     "softmax over all experts then top-k (Switch, GShard)",
+                     ("topk_then_softmax", "softmax_then_topk"))
+    mode: str = _f("capacity", "capacity: fixed slots per expert, overflow dropped to the "
+                   "residual; dropless: grouped matmul over every assignment",
+                   ("capacity", "dropless"))
+    capacity_factor: float = _f(1.25, "slots per expert per sequence = ceil(factor * seq_len * "
+                                "top_k / num_experts)")
+    aux_loss_coef: float = _f(0.01, "weight of the Switch load-balancing loss")
+    z_loss_coef: float = _f(0.001, "weight of the router z-loss")
+
+    @property
+    def enabled(self) -> bool:
+        return self.num_experts > 0
 
 
 @dataclass(frozen=True)
@@ -137,6 +161,7 @@ class CheckpointConfig:
 @dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -327,8 +352,7 @@ def validate(c: Config) -> None:
     _check(sum(getattr(mesh, n) == -1 for n in ("data", "fsdp", "tensor", "sequence", "expert",
                                                  "stage")) <= 1,
            "only one mesh degree may be -1 (= the rest); give the others explicit values.")
-    _check(mesh.expert == 1, f"mesh.expert={mesh.expert} is not available in this version; "
-           "set mesh.expert=1.")
+    _validate_moe(c)
     _validate_pipeline(c)
     for name in ("data", "fsdp", "stage"):
         dcn, total = getattr(mesh, f"dcn_{name}"), getattr(mesh, name)
@@ -336,6 +360,26 @@ def validate(c: Config) -> None:
         _check(total == -1 or total % dcn == 0,
                f"mesh.dcn_{name}={dcn} must divide mesh.{name}={total}: it is the cross-host "
                f"factor of that degree.")
+
+
+def _validate_moe(c: Config) -> None:
+    moe, expert = c.moe, c.mesh.expert
+    if not moe.enabled:
+        _check(expert == 1, f"mesh.expert={expert} needs a mixture-of-experts model; set "
+               "moe.num_experts (for example 8) or mesh.expert=1.")
+        return
+    _check(moe.num_experts >= 0, f"moe.num_experts={moe.num_experts} must be >= 0.")
+    _check(1 <= moe.top_k <= moe.num_experts, f"moe.top_k={moe.top_k} must lie between 1 and "
+           f"moe.num_experts={moe.num_experts}.")
+    _check(moe.every >= 1 and c.model.num_layers % moe.every == 0,
+           f"moe.every={moe.every} must divide model.num_layers={c.model.num_layers} (each "
+           "group of moe.every blocks ends with one MoE block).")
+    _check(moe.capacity_factor > 0, f"moe.capacity_factor={moe.capacity_factor} must be > 0.")
+    _check(expert == -1 or moe.num_experts % expert == 0,
+           f"moe.num_experts={moe.num_experts} must be divisible by mesh.expert={expert} so "
+           "every expert-parallel rank holds whole experts.")
+    _check(c.mesh.stage == 1, "mixture-of-experts models with mesh.stage > 1 are not supported "
+           "in this version; set mesh.stage=1.")
 
 
 def _validate_pipeline(c: Config) -> None:

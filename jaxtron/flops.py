@@ -19,7 +19,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from jaxtron.config import ModelConfig
+from jaxtron.config import ModelConfig, MoEConfig
 
 # Dense bf16 tensor-core peaks per device, FLOP/s (vendor datasheets, without sparsity).
 PEAK_FLOPS_BY_KIND = {
@@ -28,16 +28,23 @@ PEAK_FLOPS_BY_KIND = {
 }
 
 
-def matmul_params(m: ModelConfig) -> int:
+def matmul_params(m: ModelConfig, moe: MoEConfig | None = None) -> int:
+    """Weights one token multiplies by; for MoE layers only the top_k routed experts, the shared
+    experts and the router count (the active parameters)."""
     d, h, g, k, f = m.d_model, m.num_heads, m.kv_heads, m.resolved_head_dim, m.mlp_dim
     attention = d * h * k + 2 * d * g * k + h * k * d
     mlp = (3 if m.type == "llama" else 2) * d * f
-    return m.num_layers * (attention + mlp) + d * m.vocab_size
+    total = m.num_layers * (attention + mlp) + d * m.vocab_size
+    if moe is not None and moe.enabled:
+        expert = 3 * d * (moe.expert_mlp_dim or f)
+        active = (moe.top_k + moe.shared_experts) * expert + d * moe.num_experts
+        total += (m.num_layers // moe.every) * (active - mlp)
+    return total
 
 
-def training_flops_per_token(m: ModelConfig, seq_len: int) -> float:
+def training_flops_per_token(m: ModelConfig, seq_len: int, moe: MoEConfig | None = None) -> float:
     attention = 6 * m.num_layers * 2 * m.num_heads * m.resolved_head_dim * (seq_len + 1) / 2
-    return 6 * matmul_params(m) + attention
+    return 6 * matmul_params(m, moe) + attention
 
 
 def measure_cpu_peak(size: int = 1024, seconds: float = 0.5) -> float:

@@ -27,7 +27,7 @@ class PipelinedTransformer:
                                    c.pipeline.layers_per_stage)
         self.table = build_table(c.pipeline.schedule, c.mesh.stage, c.pipeline.microbatches,
                                  c.pipeline.virtual_stages)
-        model = nnx.eval_shape(lambda: Transformer(c.model, rngs=nnx.Rngs(0)))
+        model = nnx.eval_shape(lambda: Transformer(c.model, rngs=nnx.Rngs(0), moe=c.moe))
         self.embedder_def = nnx.graphdef(model.embedder)
         self.blocks_def = nnx.graphdef(model.blocks)
         self.head_def = nnx.graphdef(model.head)
@@ -60,7 +60,9 @@ class PipelinedTransformer:
         return nnx.merge(self.embedder_def, embedder_params)(tokens_BxL)
 
     def _stage(self, chunk_params, active_L, x_BxLxD):
-        return run_blocks(self.config.model, self.blocks_def, chunk_params, x_BxLxD, active_L)
+        x_BxLxD, _ = run_blocks(self.config.model, self.blocks_def, chunk_params, x_BxLxD,
+                                active_L)
+        return x_BxLxD
 
     def _last(self, last_params, x_BxLxD, targets_BxL):
         table = last_params["table"][...] if self.config.model.tied_embeddings else None
@@ -87,5 +89,5 @@ class PipelinedTransformer:
             g_first = nnx.State({**dict(g_first.items()),
                                  "embed": jax.tree.map(jax.numpy.add, g_first["embed"],
                                                        g_last["table"])})
-        return loss, nnx.State({"embedder": g_first, "blocks": g_blocks,
-                                "head": g_last["head"]})
+        return (loss, {"loss": loss}), nnx.State({"embedder": g_first, "blocks": g_blocks,
+                                                 "head": g_last["head"]})

@@ -17,7 +17,9 @@ from flax import nnx, struct
 
 from jaxtron.models import cross_entropy_loss
 
-GradFn = Callable[[Any, jax.Array], tuple[jax.Array, Any]]
+# (params, tokens) -> ((objective, metrics), grads); metrics["loss"] is the language-model loss,
+# the objective adds any auxiliary terms (mixture-of-experts balancing).
+GradFn = Callable[[Any, jax.Array], tuple[tuple[jax.Array, dict], Any]]
 
 
 @struct.dataclass
@@ -27,18 +29,21 @@ class TrainState:
     opt_state: optax.OptState
 
 
-def make_loss_fn(graphdef: nnx.GraphDef) -> Callable[[nnx.State, jax.Array], jax.Array]:
-    """loss(params, tokens_Bx(L+1)): next-token cross-entropy of the model `graphdef`."""
+def make_loss_fn(graphdef: nnx.GraphDef):
+    """loss(params, tokens_Bx(L+1)) -> (objective, metrics) for the model `graphdef`: next-token
+    cross-entropy plus the model's weighted auxiliary losses."""
 
     def loss_fn(params, tokens):
-        logits_BxLxV = nnx.merge(graphdef, params)(tokens[:, :-1])
-        return cross_entropy_loss(logits_BxLxV, tokens[:, 1:])
+        logits_BxLxV, aux = nnx.merge(graphdef, params).forward(tokens[:, :-1])
+        loss = cross_entropy_loss(logits_BxLxV, tokens[:, 1:])
+        objective = loss + sum(aux.pop("weighted_terms", []), jnp.zeros((), jnp.float32))
+        return objective, {"loss": loss, **aux}
 
     return loss_fn
 
 
 def plain_grads(loss_fn) -> GradFn:
-    return jax.value_and_grad(loss_fn)
+    return jax.value_and_grad(loss_fn, has_aux=True)
 
 
 def sharded_grads(grad_fn: GradFn, shardings) -> GradFn:
@@ -46,8 +51,8 @@ def sharded_grads(grad_fn: GradFn, shardings) -> GradFn:
     data-parallel all-reduce becomes a reduce-scatter and no device holds all gradients."""
 
     def fn(params, tokens):
-        loss, grads = grad_fn(params, tokens)
-        return loss, jax.lax.with_sharding_constraint(grads, shardings)
+        out, grads = grad_fn(params, tokens)
+        return out, jax.lax.with_sharding_constraint(grads, shardings)
 
     return fn
 
@@ -62,15 +67,14 @@ def accumulated_grads(grad_fn: GradFn, microbatches: int) -> GradFn:
         batch, width = tokens.shape
         tokens_AxMxT = tokens.reshape(batch // microbatches, microbatches, width).swapaxes(0, 1)
 
-        def body(carry, micro_tokens):
-            loss_sum, grad_sum = carry
-            loss, grads = grad_fn(params, micro_tokens)
-            return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
+        def body(grad_sum, micro_tokens):
+            out, grads = grad_fn(params, micro_tokens)
+            return jax.tree.map(jnp.add, grad_sum, grads), out
 
         zeros = jax.tree.map(jnp.zeros_like, params)
-        (loss_sum, grad_sum), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros),
-                                               tokens_AxMxT)
-        return loss_sum / microbatches, jax.tree.map(lambda g: g / microbatches, grad_sum)
+        grad_sum, outs = jax.lax.scan(body, zeros, tokens_AxMxT)
+        mean = jax.tree.map(lambda x: jnp.mean(x, axis=0), outs)
+        return mean, jax.tree.map(lambda g: g / microbatches, grad_sum)
 
     return accumulate
 
@@ -78,11 +82,10 @@ def accumulated_grads(grad_fn: GradFn, microbatches: int) -> GradFn:
 def make_train_step(tx: optax.GradientTransformation, schedule: optax.Schedule,
                     grad_fn: GradFn):
     def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
-        loss, grads = grad_fn(state.params, batch["tokens"])
+        (_, metrics), grads = grad_fn(state.params, batch["tokens"])
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
-                   "lr": schedule(state.step)}
+        metrics = {**metrics, "grad_norm": optax.tree.norm(grads), "lr": schedule(state.step)}
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     return train_step
@@ -90,6 +93,6 @@ def make_train_step(tx: optax.GradientTransformation, schedule: optax.Schedule,
 
 def make_eval_step(loss_fn, to_model_params=lambda params: params):
     def eval_step(params, batch: dict) -> jax.Array:
-        return loss_fn(to_model_params(params), batch["tokens"])
+        return loss_fn(to_model_params(params), batch["tokens"])[1]["loss"]
 
     return eval_step

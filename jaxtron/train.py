@@ -3,7 +3,8 @@
     python -m jaxtron.train --config configs/tiny.yaml [section.key=value ...]
 
 Writes <train.run_dir>/config.yaml (the resolved config) and metrics.jsonl (one JSON object per
-logged step: step, loss, lr, grad_norm, tokens_per_s, mfu, and eval_loss where evaluated), shows
+logged step: step, loss, lr, grad_norm, tokens_per_s, mfu, eval_loss where evaluated, and for
+mixture-of-experts models moe_balance, moe_z, moe_dropped, moe_max_load), shows
 a progress line every `train.log_every` steps and ends with a one-line summary. Metrics are read
 one step late, so the host never waits on the step it just dispatched.
 """
@@ -59,6 +60,9 @@ class MetricsLog:
                 f"loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
                 f"grad_norm {record['grad_norm']:.3f} | {record['tokens_per_s']:,.0f} tok/s | "
                 f"mfu {100 * record['mfu']:.2f}%")
+        if "moe_dropped" in record:
+            line += (f" | moe balance {record['moe_balance']:.3f} max_load "
+                     f"{record['moe_max_load']:.2f} dropped {100 * record['moe_dropped']:.1f}%")
         if "eval_loss" in record:
             line += f" | eval_loss {record['eval_loss']:.4f}"
         print(line, flush=True)
@@ -83,7 +87,7 @@ def run(config: config_lib.Config) -> dict:
     state = trainer.init_state()
 
     tokens_per_step = c.train.batch_size * c.data.seq_len
-    flops_per_step = training_flops_per_token(c.model, c.data.seq_len) * tokens_per_step
+    flops_per_step = training_flops_per_token(c.model, c.data.seq_len, c.moe) * tokens_per_step
     peak, peak_source = peak_flops(jax.devices())
     log = MetricsLog(run_dir, c.train.steps, enabled=is_main)
     if is_main:
@@ -146,6 +150,7 @@ def _report(step, metrics, eval_loss, log: MetricsLog, clock: dict, flops_per_st
     record = {"step": step, "loss": values["loss"], "lr": values["lr"],
               "grad_norm": values["grad_norm"], "tokens_per_s": tokens_per_step * steps_per_s,
               "mfu": flops_per_step * steps_per_s / peak}
+    record.update({k: v for k, v in values.items() if k.startswith("moe_")})
     if eval_loss is not None:
         record["eval_loss"] = eval_loss
     log.write(record)

@@ -72,14 +72,14 @@ class Trainer:
 
     def _check_batch(self) -> None:
         c = self.config
-        split = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+        split = self.mesh.shape["data"] * self.mesh.shape["fsdp"] * self.mesh.shape["expert"]
         parts = c.optim.grad_accum * (c.pipeline.microbatches if c.mesh.stage > 1 else 1)
         micro = c.train.batch_size // parts
         if micro % split:
             raise ConfigError(
                 f"each microbatch of train.batch_size / (optim.grad_accum x "
                 f"pipeline.microbatches) = {micro} sequences must split evenly over mesh.data x "
-                f"mesh.fsdp = {split} devices; make train.batch_size a multiple of "
+                f"mesh.fsdp x mesh.expert = {split} devices; make train.batch_size a multiple of "
                 f"{split * parts}.")
         ring = 2 * self.mesh.shape["sequence"]
         if c.data.seq_len % ring:
@@ -104,7 +104,8 @@ class Trainer:
                               f"{jax.process_count()} processes.")
 
     def _new_model(self) -> Transformer:
-        return Transformer(self.config.model, rngs=nnx.Rngs(self.config.train.seed))
+        return Transformer(self.config.model, rngs=nnx.Rngs(self.config.train.seed),
+                           moe=self.config.moe)
 
     def _init(self) -> TrainState:
         params = nnx.state(self._new_model(), nnx.Param)
@@ -131,9 +132,10 @@ class Trainer:
             return self._step(state, batch)
 
     def loss_and_grads(self, params, batch: dict):
-        """The step's loss and gradients, without updating anything (for checks)."""
+        """The step's objective and gradients, without updating anything (for checks)."""
         with self._tracing():
-            return self._grads(params, batch["tokens"])
+            (objective, _), grads = self._grads(params, batch["tokens"])
+            return objective, grads
 
     def abstract_state(self) -> TrainState:
         """Shapes, dtypes and shardings of the state, without allocating it."""

@@ -143,19 +143,3 @@ class MLP(nnx.Module):
         h_BxLxF = x_BxLxD @ self.w_in[...].astype(dt) + self.b_in[...].astype(dt)
         h_BxLxF = constrain(jax.nn.gelu(h_BxLxF, approximate=True), ("batch", "seq", "mlp"))
         return h_BxLxF @ self.w_out[...].astype(dt) + self.b_out[...].astype(dt)
-
-
-class Block(nnx.Module):
-    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
-
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        self.attn_norm = make_norm(cfg, rngs)
-        self.attn = Attention(cfg, rngs)
-        self.mlp_norm = make_norm(cfg, rngs)
-        self.mlp = MLP(cfg, rngs)
-
-    def __call__(self, x_BxLxD, positions_L):
-        x_BxLxD = constrain(x_BxLxD, ("batch", "residual_seq", "embed"))
-        x_BxLxD = x_BxLxD + self.attn(self.attn_norm(x_BxLxD), positions_L)
-        x_BxLxD = x_BxLxD + self.mlp(self.mlp_norm(x_BxLxD))
-        return constrain(x_BxLxD, ("batch", "residual_seq", "embed"))

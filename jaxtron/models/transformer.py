@@ -16,8 +16,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxtron.config import ModelConfig
-from jaxtron.models.layers import Block, make_norm, normal, param
+from jaxtron.config import ModelConfig, MoEConfig
+from jaxtron.models.blocks import MOE_STATS, Block, BlockGroup
+from jaxtron.models.layers import make_norm, normal, param
 from jaxtron.sharding.rules import constrain
 
 REMAT_POLICIES = {
@@ -65,53 +66,73 @@ class Head(nnx.Module):
         return constrain(logits_BxLxV, ("batch", "seq", "vocab"))
 
 
-def make_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
-    """N blocks as one Block whose parameters carry a leading `layers` axis."""
+def make_blocks(cfg: ModelConfig, rngs: nnx.Rngs, moe: MoEConfig | None = None) -> nnx.Module:
+    """The stacked unit: N blocks (or N / moe.every groups ending in an MoE block) as one
+    module whose parameters carry a leading `layers` axis."""
+    every = moe.every if moe is not None else 1
 
-    @nnx.split_rngs(splits=cfg.num_layers)
+    @nnx.split_rngs(splits=cfg.num_layers // every)
     @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
     def create(rngs):
-        return Block(cfg, rngs)
+        if moe is None:
+            return Block(cfg, rngs)
+        return Block(cfg, rngs, moe) if every == 1 else BlockGroup(cfg, moe, rngs)
 
     return create(rngs)
 
 
 def run_blocks(cfg: ModelConfig, graphdef, stacked, x_BxLxD, active_N=None):
-    """Apply stacked blocks in order; where `active_N` is False a block is the identity
-    (padding in uneven pipeline splits)."""
+    """Apply stacked units in order -> (x, summed MoE statistics). Where `active_N` is False a
+    unit is the identity (padding in uneven pipeline splits)."""
     positions_L = jnp.arange(x_BxLxD.shape[1])
 
-    def body(x, layer):
+    def body(carry, layer):
+        x, stats = carry
         layer_state, active = layer
-        y = nnx.merge(graphdef, layer_state)(x, positions_L)
-        return (y if active is None else jnp.where(active, y, x)), None
+        y, layer_stats = nnx.merge(graphdef, layer_state)(x, positions_L)
+        y = y if active is None else jnp.where(active, y, x)
+        return (y, jax.tree.map(jnp.add, stats, layer_stats)), None
 
     if cfg.remat != "none":
         body = jax.checkpoint(body, policy=REMAT_POLICIES[cfg.remat],
                               prevent_cse=not cfg.scan_layers)
+    carry = (x_BxLxD, {name: jnp.zeros((), jnp.float32) for name in MOE_STATS})
     if cfg.scan_layers:
-        x_BxLxD, _ = jax.lax.scan(body, x_BxLxD, (stacked, active_N))
-        return x_BxLxD
+        carry, _ = jax.lax.scan(body, carry, (stacked, active_N))
+        return carry
     count = jax.tree.leaves(stacked)[0].shape[0]
     for i in range(count):
-        layer = jax.tree.map(lambda a: a[i], (stacked, active_N))
-        x_BxLxD, _ = body(x_BxLxD, layer)
-    return x_BxLxD
+        carry, _ = body(carry, jax.tree.map(lambda a: a[i], (stacked, active_N)))
+    return carry
 
 
 class Transformer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, moe: MoEConfig | None = None):
         self.cfg = cfg
+        self.moe = moe if moe is not None and moe.enabled else None
         self.embedder = Embedder(cfg, rngs)
-        self.blocks = make_blocks(cfg, rngs)
+        self.blocks = make_blocks(cfg, rngs, self.moe)
         self.head = Head(cfg, rngs)
 
     def __call__(self, tokens_BxL):
         """Token ids -> logits_BxLxV in the compute dtype."""
+        return self.forward(tokens_BxL)[0]
+
+    def forward(self, tokens_BxL):
+        """-> (logits_BxLxV, aux): aux holds the MoE statistics averaged over MoE layers and
+        `weighted_terms`, the auxiliary losses to add to the training objective."""
         x_BxLxD = self.embedder(tokens_BxL)
         graphdef, stacked = nnx.split(self.blocks)
-        x_BxLxD = run_blocks(self.cfg, graphdef, stacked, x_BxLxD)
-        return self.head(x_BxLxD, self.embedder.embed[...])
+        x_BxLxD, stats = run_blocks(self.cfg, graphdef, stacked, x_BxLxD)
+        logits = self.head(x_BxLxD, self.embedder.embed[...])
+        if self.moe is None:
+            return logits, {}
+        moe_layers = self.cfg.num_layers // self.moe.every
+        mean = {name: value / moe_layers for name, value in stats.items()}
+        aux = {f"moe_{name}": value for name, value in mean.items()}
+        aux["weighted_terms"] = [self.moe.aux_loss_coef * mean["balance"],
+                                 self.moe.z_loss_coef * mean["z"]]
+        return logits, aux
 
 
 def cross_entropy_loss(logits_BxLxV, targets_BxL, weights_BxL=None):

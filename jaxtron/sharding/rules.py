@@ -3,11 +3,12 @@
 In scaling-book notation the defaults are
 
     W_q[D_fsdp, H_tensor, K]   W_o[H_tensor, K, D_fsdp]   W_in[D_fsdp, F_tensor]
-    W_out[F_tensor, D_fsdp]    E[V_tensor, D_fsdp]         x[B_(data,fsdp), L_sequence, D]
+    W_out[F_tensor, D_fsdp]    E[V_tensor, D_fsdp]         x[B_(data,fsdp,expert), L_sequence, D]   W_experts[E_expert, D_fsdp, F_tensor]
 
 so `fsdp` shards every weight (ZeRO-3: GSPMD gathers each layer's weights just before use and
 reduce-scatters its gradients), `tensor` gives Megatron's column-then-row split with one reduction
-per block, and the batch is split over both data axes. There are no fallbacks that depend on
+per block, and the batch is split over both data axes and the expert axis (outside the
+experts, expert-parallel ranks are data-parallel ranks). There are no fallbacks that depend on
 order: every name has exactly one rule, checked when the rules are built.
 """
 
@@ -52,7 +53,8 @@ def activation_rules(config: Config) -> Rules:
     all-reduce into a reduce-scatter after the row-parallel matmul and an all-gather before the
     next column-parallel one."""
     sp = ("tensor",) if config.mesh.sequence_parallel else ()
-    return {"batch": ("data", "fsdp"), "seq": ("sequence",), "residual_seq": ("sequence", *sp),
+    return {"batch": ("data", "fsdp", "expert"), "seq": ("sequence",),
+            "residual_seq": ("sequence", *sp),
             "embed": (), "heads": ("tensor",), "kv_heads": ("tensor",), "head_dim": (),
             "mlp": ("tensor",), "vocab": ("tensor",), "expert": ("expert",), "layers": (),
             "stage": ("stage",)}

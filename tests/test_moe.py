@@ -1,0 +1,190 @@
+"""Mixture of experts: routing semantics, auxiliary losses, and expert parallelism."""
+
+import json
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxtron import config as config_lib
+from jaxtron.data.pipeline import open_dataset, train_batches
+from jaxtron.errors import ConfigError
+from jaxtron.flops import matmul_params
+from jaxtron.models.moe import MoE, capacity, capacity_slots, load_balancing_loss, route
+from jaxtron.trainer import Trainer
+
+from conftest import make_config
+
+
+def moe_layer(**moe):
+    config = make_config(moe={"num_experts": 4, "top_k": 2, **moe})
+    return MoE(config.model, config.moe, nnx.Rngs(3)), config
+
+
+def dense_reference(layer, x_BxLxD, kept_BxLxK=None):
+    """Every token through each chosen expert, weighted; nothing shared, nothing batched."""
+    logits = jnp.einsum("bld,de->ble", x_BxLxD, layer.router[...])
+    weights, experts, _ = route(logits, layer.moe.top_k, layer.moe.router)
+    out = np.zeros(x_BxLxD.shape, np.float32)
+    b, length, k = experts.shape
+    for i in range(b):
+        for t in range(length):
+            for j in range(k):
+                if kept_BxLxK is not None and not kept_BxLxK[i, t, j]:
+                    continue
+                e = int(experts[i, t, j])
+                h = (jax.nn.silu(x_BxLxD[i, t] @ layer.w_gate[e]) * (x_BxLxD[i, t] @ layer.w_up[e]))
+                out[i, t] += float(weights[i, t, j]) * np.asarray(h @ layer.w_down[e])
+    return out, np.asarray(experts)
+
+
+def tokens_x(b=2, length=16, d=64, seed=0):
+    return jax.random.normal(jax.random.key(seed), (b, length, d))
+
+
+@pytest.mark.parametrize("router", ["topk_then_softmax", "softmax_then_topk"])
+def test_dropless_equals_the_dense_reference(router):
+    layer, _ = moe_layer(mode="dropless", router=router)
+    x = tokens_x()
+    y, stats = layer(x)
+    want, _ = dense_reference(layer, x)
+    np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-5)
+    assert float(stats["dropped"]) == 0.0
+
+
+def predicted_keep(experts_BxLxK, num_experts, slots):
+    """The rule, written as a loop: first choices in position order, then second choices."""
+    b, length, k = experts_BxLxK.shape
+    keep = np.zeros(experts_BxLxK.shape, bool)
+    for i in range(b):
+        used = [0] * num_experts
+        for j in range(k):
+            for t in range(length):
+                e = experts_BxLxK[i, t, j]
+                if used[e] < slots:
+                    keep[i, t, j] = True
+                    used[e] += 1
+    return keep
+
+
+def test_tiny_capacity_drops_exactly_the_predicted_assignments():
+    layer, config = moe_layer(mode="capacity", capacity_factor=0.25)
+    x = tokens_x()
+    slots = capacity(16, 2, 4, 0.25)
+    assert slots == 2
+    _, experts = dense_reference(layer, x)
+    keep = predicted_keep(experts, 4, slots)
+    _, got_keep = capacity_slots(jnp.asarray(experts), 4, slots)
+    np.testing.assert_array_equal(got_keep, keep)
+    y, stats = layer(x)
+    want, _ = dense_reference(layer, x, keep)
+    np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-5)
+    assert float(stats["dropped"]) == pytest.approx(1 - keep.mean())
+    assert 0.5 < float(stats["dropped"]) < 1
+
+
+def test_generous_capacity_drops_nothing_and_matches_dropless():
+    x = tokens_x()
+    capped, _ = moe_layer(mode="capacity", capacity_factor=2.0)  # C = 16 = L
+    y, stats = capped(x)
+    want, _ = dense_reference(capped, x)
+    np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-5)
+    assert float(stats["dropped"]) == 0.0
+
+
+def test_load_balancing_loss_matches_the_switch_formula_by_hand():
+    # 4 tokens, 2 experts, top-1. Tokens 0-2 go to expert 0, token 3 to expert 1.
+    probs = jnp.array([[[0.9, 0.1], [0.8, 0.2], [0.6, 0.4], [0.3, 0.7]]])
+    experts = jnp.array([[[0], [0], [0], [1]]])
+    loss, fraction = load_balancing_loss(probs, experts)
+    # f = (3/4, 1/4), P = (2.6/4, 1.4/4): 2 * (0.75 * 0.65 + 0.25 * 0.35) = 1.15
+    np.testing.assert_allclose(fraction, [0.75, 0.25])
+    assert float(loss) == pytest.approx(1.15)
+
+
+def grads_of(layout, moe, devices):
+    config = make_config(layout, moe=moe, train={"batch_size": 8})
+    trainer = Trainer(config, devices=devices)
+    state = trainer.init_state()
+    batch = trainer.put_batch(next(train_batches(config, open_dataset(config))))
+    objective, grads = trainer.loss_and_grads(state.params, batch)
+    return float(objective), jax.device_get(nnx.to_pure_dict(grads)), trainer, state, batch
+
+
+@pytest.mark.parametrize("moe", [
+    {"num_experts": 4, "capacity_factor": 0.5},  # capacity with drops
+    {"num_experts": 4, "mode": "dropless"},
+    {"num_experts": 8, "every": 2, "shared_experts": 1, "router": "softmax_then_topk"},
+])
+def test_expert_parallel_matches_single_device(moe):
+    ref = grads_of({"mesh.data": 1}, moe, jax.devices()[:1])
+    got = grads_of({"mesh.data": 2, "mesh.expert": 4}, moe, jax.devices())
+    np.testing.assert_allclose(got[0], ref[0], rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(got[1]), jax.tree.leaves(ref[1]), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_expert_parallel_dispatches_with_all_to_all_and_shards_experts():
+    _, _, trainer, state, batch = grads_of({"mesh.data": 1, "mesh.expert": 4, "mesh.tensor": 2},
+                                           {"num_experts": 4}, jax.devices())
+    w_gate = state.params["blocks"]["mlp"]["w_gate"][...]
+    assert w_gate.addressable_shards[0].data.shape == (2, 1, 64, 64)  # N, E/4, D, F/2
+    hlo = trainer.compile_step(state, batch).as_text()
+    assert "all-to-all" in hlo
+
+
+def max_load_after_training(aux_coef):
+    config = make_config({"moe.aux_loss_coef": aux_coef, "train.steps": 40},
+                         moe={"num_experts": 8, "top_k": 1, "mode": "dropless"},
+                         mesh={"data": 1}, optim={"lr": 1e-2})
+    trainer = Trainer(config, devices=jax.devices()[:1])
+    batches = train_batches(config, open_dataset(config))
+    state = trainer.init_state()
+    loads = []
+    for _ in range(config.train.steps):
+        state, metrics = trainer.step(state, trainer.put_batch(next(batches)))
+        loads.append(float(metrics["moe_max_load"]))
+    return np.mean(loads[-10:])
+
+
+def test_auxiliary_loss_evens_out_expert_load():
+    without, with_aux = max_load_after_training(0.0), max_load_after_training(1.0)
+    assert with_aux < 0.8 * without, (with_aux, without)
+
+
+def test_moe_active_parameter_count():
+    m = make_config().model
+    moe = make_config(moe={"num_experts": 8, "top_k": 2, "every": 2, "shared_experts": 1}).moe
+    dense = matmul_params(m)
+    # One MoE layer of two: its 3*D*F MLP becomes (top_k + shared) experts plus the router.
+    assert matmul_params(m, moe) == dense - 3 * 64 * 128 + 3 * 3 * 64 * 128 + 64 * 8
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    (["moe.num_experts=6", "mesh.expert=4"], "must be divisible by mesh.expert=4"),
+    (["mesh.expert=2"], "needs a mixture-of-experts model"),
+    (["moe.num_experts=4", "moe.top_k=5"], "moe.top_k=5 must lie between 1 and"),
+    (["moe.num_experts=4", "moe.every=3"], "moe.every=3 must divide model.num_layers=2"),
+])
+def test_bad_moe_settings_are_explained(overrides, fragment):
+    with pytest.raises(ConfigError) as err:
+        config_lib.from_dict({}, overrides)
+    assert fragment in str(err.value)
+
+
+def test_moe_tiny_trains_with_expert_parallelism(tmp_path):
+    assert config_lib.load("configs/mixtral-8x7b.yaml").moe.num_experts == 8
+    result = subprocess.run(
+        [sys.executable, "-m", "jaxtron.train", "--config", "configs/moe-tiny.yaml",
+         "train.steps=30", "train.log_every=10", "train.eval_every=30",
+         f"train.run_dir={tmp_path}", "data.builtin_max_bytes=400000"],
+        capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["loss"] < records[0]["loss"] - 0.5
+    assert {"moe_balance", "moe_z", "moe_dropped", "moe_max_load"} <= records[-1].keys()
+    assert "expert=4" in result.stdout
