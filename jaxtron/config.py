@@ -53,6 +53,9 @@ class ModelConfig:
     param_dtype: str = _f("float32", "storage dtype of parameters (master weights)", COMPUTE_DTYPES)
     remat: str = _f("none", "activation recompute policy for each block", REMAT_POLICIES)
     scan_layers: bool = _f(True, "run blocks with lax.scan (compile time flat in depth)")
+    cross_entropy: str = _f("plain", "loss: plain (full logits) or chunked (fused, logits "
+                            "never materialised in full)", ("plain", "chunked"))
+    loss_chunk_tokens: int = _f(2048, "tokens per chunk of the chunked cross-entropy")
     attention_impl: str = _f("auto", "attention kernel: auto, xla (reference), cudnn or pallas", ATTENTION_IMPLS)
 
     @property
@@ -126,6 +129,13 @@ class TrainConfig:
     run_dir: str = _f("runs/default", "where metrics.jsonl and config.yaml are written")
     seed: int = _f(0, "seed for parameters and data order")
     tensorboard: bool = _f(False, "also write TensorBoard event files")
+    resume: str = _f("auto", "auto: continue from the newest checkpoint in the run dir; never: "
+                     "start afresh (existing checkpoints are kept, new ones added)",
+                     ("auto", "never"))
+    on_nan: str = _f("stop", "a non-finite loss or gradient: stop (the last checkpoint stays "
+                     "intact) or skip that update", ("stop", "skip"))
+    init_from: str | None = _f(None, "parameters-only checkpoint (python -m jaxtron.export or "
+                               "jaxtron.convert) to start training from")
 
 
 @dataclass(frozen=True)
@@ -154,8 +164,8 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    every: int = _f(0, "steps between checkpoints (0 = off)", (0,))
-    keep: int = _f(3, "checkpoints kept")
+    every: int = _f(0, "steps between checkpoints (0 = only on preemption)")
+    keep: int = _f(3, "newest checkpoints kept")
 
 
 @dataclass(frozen=True)
@@ -310,6 +320,7 @@ def validate(c: Config) -> None:
     positive = {"model.num_layers": m.num_layers, "model.d_model": m.d_model,
                 "model.num_heads": m.num_heads, "model.mlp_dim": m.mlp_dim,
                 "model.vocab_size": m.vocab_size, "model.max_seq_len": m.max_seq_len,
+                "model.loss_chunk_tokens": m.loss_chunk_tokens,
                 "train.steps": t.steps, "train.batch_size": t.batch_size,
                 "train.log_every": t.log_every, "train.eval_batches": t.eval_batches,
                 "optim.grad_accum": o.grad_accum, "data.seq_len": d.seq_len,
@@ -342,6 +353,8 @@ def validate(c: Config) -> None:
            f"optim.min_lr_ratio={o.min_lr_ratio} must lie in [0, 1].")
     _check(o.warmup_steps >= 0, f"optim.warmup_steps={o.warmup_steps} must be >= 0.")
     _check(o.lr > 0, f"optim.lr={o.lr} must be positive.")
+    _check(c.checkpoint.every >= 0, f"checkpoint.every={c.checkpoint.every} must be >= 0.")
+    _check(c.checkpoint.keep >= 1, f"checkpoint.keep={c.checkpoint.keep} must be >= 1.")
     _check(not t.tensorboard, "train.tensorboard=true is not available in this version; "
            "metrics are in <train.run_dir>/metrics.jsonl. Set train.tensorboard=false.")
     mesh = c.mesh

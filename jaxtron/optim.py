@@ -34,6 +34,7 @@ def build_optimizer(config: Config) -> optax.GradientTransformation:
     o = config.optim
     adamw = optax.adamw(learning_rate(config), b1=o.b1, b2=o.b2, eps=o.eps,
                         weight_decay=o.weight_decay, mask=decay_mask)
-    if o.grad_clip > 0:
-        return optax.chain(optax.clip_by_global_norm(o.grad_clip), adamw)
-    return adamw
+    tx = optax.chain(optax.clip_by_global_norm(o.grad_clip), adamw) if o.grad_clip > 0 else adamw
+    # A non-finite gradient never reaches the parameters: the update is skipped and counted
+    # (train.on_nan=stop then ends the run; skip carries on).
+    return optax.apply_if_finite(tx, max_consecutive_errors=2**31 - 1)

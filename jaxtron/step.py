@@ -15,7 +15,6 @@ import jax.numpy as jnp
 import optax
 from flax import nnx, struct
 
-from jaxtron.models import cross_entropy_loss
 
 # (params, tokens) -> ((objective, metrics), grads); metrics["loss"] is the language-model loss,
 # the objective adds any auxiliary terms (mixture-of-experts balancing).
@@ -34,8 +33,7 @@ def make_loss_fn(graphdef: nnx.GraphDef):
     cross-entropy plus the model's weighted auxiliary losses."""
 
     def loss_fn(params, tokens):
-        logits_BxLxV, aux = nnx.merge(graphdef, params).forward(tokens[:, :-1])
-        loss = cross_entropy_loss(logits_BxLxV, tokens[:, 1:])
+        loss, aux = nnx.merge(graphdef, params).loss(tokens[:, :-1], tokens[:, 1:])
         objective = loss + sum(aux.pop("weighted_terms", []), jnp.zeros((), jnp.float32))
         return objective, {"loss": loss, **aux}
 
@@ -85,7 +83,8 @@ def make_train_step(tx: optax.GradientTransformation, schedule: optax.Schedule,
         (_, metrics), grads = grad_fn(state.params, batch["tokens"])
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {**metrics, "grad_norm": optax.tree.norm(grads), "lr": schedule(state.step)}
+        metrics = {**metrics, "grad_norm": optax.tree.norm(grads), "lr": schedule(state.step),
+                   "skipped_updates": optax.tree_utils.tree_get(opt_state, "total_notfinite")}
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     return train_step

@@ -12,6 +12,7 @@ one step late, so the host never waits on the step it just dispatched.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import sys
@@ -23,8 +24,13 @@ import numpy as np
 
 from jaxtron import config as config_lib
 from jaxtron.errors import JaxtronError
+from jaxtron.preemption import PreemptionGuard
 from jaxtron.flops import peak_flops, training_flops_per_token
 from jaxtron.sharding.mesh import describe_mesh
+
+
+class NonFiniteError(JaxtronError):
+    """Training produced a NaN or Inf under train.on_nan=stop."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -44,11 +50,12 @@ def _parser() -> argparse.ArgumentParser:
 class MetricsLog:
     """Appends one JSON object per logged step to metrics.jsonl and prints a progress line."""
 
-    def __init__(self, run_dir: Path, total_steps: int, enabled: bool = True):
+    def __init__(self, run_dir: Path, total_steps: int, enabled: bool = True,
+                 append: bool = False):
         self.path = run_dir / "metrics.jsonl"
         self.total = total_steps
         self.enabled = enabled
-        if enabled:
+        if enabled and not append:
             self.path.write_text("")
 
     def write(self, record: dict) -> None:
@@ -69,7 +76,8 @@ class MetricsLog:
 
 
 def run(config: config_lib.Config) -> dict:
-    """Train `config` to the end; return the final summary."""
+    """Train `config` to the end (or to a preemption signal); return the final summary."""
+    from jaxtron.checkpoint import Checkpointer, checkpoint_dir
     from jaxtron.data.pipeline import eval_batches, open_dataset, train_batches
     from jaxtron.trainer import Trainer
 
@@ -84,21 +92,28 @@ def run(config: config_lib.Config) -> dict:
     batches = train_batches(c, dataset, jax.process_index(), jax.process_count())
     held_out = eval_batches(c, dataset, jax.process_index(), jax.process_count())
     trainer = Trainer(c)
-    state = trainer.init_state()
+    checkpoints = Checkpointer(checkpoint_dir(run_dir), c.checkpoint.keep)
+    state, resumed_from = _initial_state(trainer, checkpoints, batches)
+    start = int(jax.device_get(state.step))
 
     tokens_per_step = c.train.batch_size * c.data.seq_len
     flops_per_step = training_flops_per_token(c.model, c.data.seq_len, c.moe) * tokens_per_step
     peak, peak_source = peak_flops(jax.devices())
-    log = MetricsLog(run_dir, c.train.steps, enabled=is_main)
+    log = MetricsLog(run_dir, c.train.steps, enabled=is_main, append=resumed_from is not None)
     if is_main:
         n_params = sum(x.size for x in jax.tree.leaves(state.params))
         print(f"jaxtron: {c.model.type} model, {n_params:,} parameters, "
               f"{describe_mesh(trainer.mesh)}, {dataset.tokens.size:,} tokens in "
               f"{c.data.path}; peak {peak / 1e9:,.1f} GFLOP/s ({peak_source})", flush=True)
+        if resumed_from is not None:
+            print(f"resumed from {resumed_from} at step {start}", flush=True)
+    if start >= c.train.steps:
+        print(f"nothing to do: the checkpoint is at step {start} >= train.steps", flush=True)
+        return {"steps": start, "run_dir": str(run_dir)}
 
     compile_start = time.perf_counter()
-    first = trainer.put_batch(next(batches))
-    compiled = trainer.compile_step(state, first)
+    batch = trainer.put_batch(next(batches))
+    compiled = trainer.compile_step(state, batch)
     if is_main:
         print(f"compiled the train step in {time.perf_counter() - compile_start:.1f} s; "
               f"run dir {run_dir}", flush=True)
@@ -107,37 +122,95 @@ def run(config: config_lib.Config) -> dict:
         losses = [trainer.eval_loss(params_state, trainer.put_batch(b)) for b in held_out]
         return float(np.mean(jax.device_get(losses)))
 
+    def save(step, data_state):
+        checkpoints.save(step, trainer.canonical_state(state), data_state, c)
+
     # Throughput is taken between completions of logged steps, minus evaluation time.
-    clock = {"time": time.perf_counter(), "step": 0, "eval_s": 0.0}
-    pending, last, batch = None, {}, first
-    for step in range(1, c.train.steps + 1):
-        state, metrics = compiled(state, batch)
-        if step < c.train.steps:
-            batch = trainer.put_batch(next(batches))  # overlaps with the running step
+    clock = {"time": time.perf_counter(), "step": start, "eval_s": 0.0}
+    pending, last, step = None, {}, start
+    with PreemptionGuard() as guard, _finishing(checkpoints):
+        for step in range(start + 1, c.train.steps + 1):
+            state, metrics = compiled(state, batch)
+            data_state = batches.get_state()  # the stream position after this step's batch
+            if step < c.train.steps:
+                batch = trainer.put_batch(next(batches))  # overlaps with the running step
+            if pending is not None:
+                last = _report(*pending, log, clock, flops_per_step, tokens_per_step, peak)
+                pending = None
+                _check_finite(last, c, checkpoints)
+            eval_loss = None
+            if (c.train.eval_every and step % c.train.eval_every == 0) or step == c.train.steps:
+                jax.block_until_ready(metrics)  # the step's own time stays in the window
+                eval_start = time.perf_counter()
+                eval_loss = evaluate(state)
+                clock["eval_s"] += time.perf_counter() - eval_start
+            if (step % c.train.log_every == 0 or step == c.train.steps or eval_loss is not None
+                    or guard.requested):
+                pending = (step, metrics, eval_loss)
+            if guard.requested or (c.checkpoint.every and step % c.checkpoint.every == 0):
+                last = _report(*pending, log, clock, flops_per_step, tokens_per_step, peak)
+                pending = None
+                _check_finite(last, c, checkpoints)  # never save past a bad step
+                save(step, data_state)
+            if guard.requested:
+                break
         if pending is not None:
             last = _report(*pending, log, clock, flops_per_step, tokens_per_step, peak)
-            pending = None
-            if not math.isfinite(last["loss"]):
-                raise FloatingPointError(f"loss became {last['loss']} at step {last['step']}; "
-                                         "lower optim.lr or raise optim.warmup_steps.")
-        eval_loss = None
-        if (c.train.eval_every and step % c.train.eval_every == 0) or step == c.train.steps:
-            jax.block_until_ready(metrics)  # the step's own time stays in the window
-            eval_start = time.perf_counter()
-            eval_loss = evaluate(state)
-            clock["eval_s"] += time.perf_counter() - eval_start
-        if step % c.train.log_every == 0 or step == c.train.steps or eval_loss is not None:
-            pending = (step, metrics, eval_loss)
-    last = _report(*pending, log, clock, flops_per_step, tokens_per_step, peak)
-    summary = {"steps": c.train.steps, "final_loss": last["loss"],
+            _check_finite(last, c, checkpoints)
+        if step == c.train.steps and c.checkpoint.every and step % c.checkpoint.every:
+            save(step, data_state)
+    if guard.requested:
+        print(f"preempted: saved step {step} to {checkpoints.directory / str(step)}; run the "
+              "same command again to resume", flush=True)
+    summary = {"steps": step, "final_loss": last["loss"],
                "eval_loss": last.get("eval_loss"), "tokens_per_s": last["tokens_per_s"],
-               "mfu": last["mfu"], "run_dir": str(run_dir)}
-    if is_main:
+               "mfu": last["mfu"], "run_dir": str(run_dir), "preempted": bool(guard.requested)}
+    if is_main and not guard.requested:
+        eval_text = f"{summary['eval_loss']:.4f}" if summary["eval_loss"] is not None else "-"
         print(f"done: {summary['steps']} steps | final loss {summary['final_loss']:.4f} | "
-              f"eval loss {summary['eval_loss']:.4f} | {summary['tokens_per_s']:,.0f} tok/s | "
+              f"eval loss {eval_text} | {summary['tokens_per_s']:,.0f} tok/s | "
               f"mfu {100 * summary['mfu']:.2f}% | metrics in {run_dir / 'metrics.jsonl'}",
               flush=True)
     return summary
+
+
+@contextlib.contextmanager
+def _finishing(checkpoints):
+    """Let pending asynchronous saves complete, whether the loop ends or raises."""
+    try:
+        yield
+    finally:
+        checkpoints.wait()
+        checkpoints.close()
+
+
+def _initial_state(trainer, checkpoints, batches):
+    """Resume from the newest checkpoint, start from `train.init_from`, or initialise."""
+    c = trainer.config
+    latest = checkpoints.latest_step() if c.train.resume == "auto" else None
+    if latest is not None:
+        canonical, data_state = checkpoints.restore(latest, trainer.abstract_canonical_state(),
+                                                    c)
+        batches.set_state(data_state)
+        return trainer.from_canonical_state(canonical), checkpoints.directory / str(latest)
+    state = trainer.init_state()
+    if c.train.init_from:
+        from jaxtron.export import load_params
+        state = trainer.with_params(state, load_params(c.train.init_from, trainer))
+    return state, None
+
+
+def _check_finite(record: dict, c: config_lib.Config, checkpoints) -> None:
+    bad = not (math.isfinite(record["loss"]) and math.isfinite(record["grad_norm"]))
+    if c.train.on_nan == "stop" and (bad or record.get("skipped_updates", 0) > 0):
+        latest = checkpoints.latest_step()
+        where = (f"the last checkpoint, step {latest} in {checkpoints.directory}, is intact"
+                 if latest is not None else "no checkpoint had been written")
+        raise NonFiniteError(
+            f"a non-finite loss or gradient appeared at or before step {record['step']} "
+            f"(loss {record['loss']}, grad_norm {record['grad_norm']}); the update was not "
+            f"applied and {where}. Lower optim.lr, raise optim.warmup_steps, or set "
+            "train.on_nan=skip to skip such updates.")
 
 
 def _report(step, metrics, eval_loss, log: MetricsLog, clock: dict, flops_per_step,
@@ -151,6 +224,7 @@ def _report(step, metrics, eval_loss, log: MetricsLog, clock: dict, flops_per_st
               "grad_norm": values["grad_norm"], "tokens_per_s": tokens_per_step * steps_per_s,
               "mfu": flops_per_step * steps_per_s / peak}
     record.update({k: v for k, v in values.items() if k.startswith("moe_")})
+    record["skipped_updates"] = int(values.get("skipped_updates", 0))
     if eval_loss is not None:
         record["eval_loss"] = eval_loss
     log.write(record)

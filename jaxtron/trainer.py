@@ -155,6 +155,50 @@ class Trainer:
         return {k: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(v))
                 for k, v in local_batch.items()}
 
+    def canonical_state(self, state: TrainState) -> TrainState:
+        """The state in the model's own layout (what checkpoints hold, whatever the mesh)."""
+        if not self.pipeline:
+            return state
+        convert = self.pipeline.to_model_params
+        opt_state = jax.tree.map(
+            lambda x: convert(x) if isinstance(x, nnx.State) and "blocks" in x else x,
+            state.opt_state, is_leaf=lambda x: isinstance(x, nnx.State))
+        return TrainState(step=state.step, params=convert(state.params), opt_state=opt_state)
+
+    def abstract_canonical_state(self) -> TrainState:
+        """Restore target of a checkpoint: canonical shapes with this mesh's shardings."""
+        if not self.pipeline:
+            return self.abstract_state()
+        abstract = jax.eval_shape(lambda: self.canonical_state(self._init()))
+        zero_rules = optimizer_rules(self.config)
+        shardings = TrainState(
+            step=NamedSharding(self.mesh, PartitionSpec()),
+            params=variable_shardings(abstract.params, self.param_rules, self.mesh),
+            opt_state=variable_shardings(abstract.opt_state, zero_rules, self.mesh))
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                            abstract, shardings)
+
+    def from_canonical_state(self, state: TrainState) -> TrainState:
+        if not self.pipeline:
+            return state
+
+        def convert(state):
+            to_pipe = self.pipeline.to_pipeline_params
+            opt_state = jax.tree.map(
+                lambda x: to_pipe(x) if isinstance(x, nnx.State) and "blocks" in x else x,
+                state.opt_state, is_leaf=lambda x: isinstance(x, nnx.State))
+            return TrainState(step=state.step, params=to_pipe(state.params), opt_state=opt_state)
+
+        return jax.jit(convert, out_shardings=self.state_shardings)(state)
+
+    def with_params(self, state: TrainState, params) -> TrainState:
+        """`state` with its parameters replaced by `params` (model layout), placed on the mesh."""
+        def replace(state, params):
+            if self.pipeline:
+                params = self.pipeline.to_pipeline_params(params)
+            return state.replace(params=params)
+        return jax.jit(replace, out_shardings=self.state_shardings)(state, params)
+
     def to_model_params(self, params):
         """The model's own parameter layout (undoes the pipeline layout, if any)."""
         return self.pipeline.to_model_params(params) if self.pipeline else params

@@ -13,6 +13,8 @@ from jaxtron.kernels import attention
 from jaxtron.kernels.flash import flash_attention
 from jaxtron.kernels.flash_backward import Tiling, k_block_end, q_block_start
 from jaxtron.kernels.reference import reference_attention
+from jaxtron.sharding.mesh import build_mesh
+from jaxtron.sharding.rules import activation_rules, activation_sharding
 from jaxtron.trainer import Trainer
 
 from conftest import make_config
@@ -151,3 +153,30 @@ def test_training_with_pallas_matches_xla():
     np.testing.assert_allclose(got_losses, want_losses, rtol=1e-5)
     for got, want in zip(jax.tree.leaves(got_params), jax.tree.leaves(want_params), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("heads, kv_heads, layout", [
+    (4, 2, {"mesh.data": 2, "mesh.tensor": 2}),  # kv heads split with their query heads
+    (4, 1, {"mesh.data": 2, "mesh.tensor": 2}),  # kv < tensor: the one kv head replicated
+    (6, 3, {"mesh.data": 2, "mesh.tensor": 2}),  # kv replicated; rank 1: heads 3-5 -> kv 1, 2, 2
+    (8, 2, {"mesh.data": 1, "mesh.fsdp": 2, "mesh.tensor": 4}),  # rank 2: heads 4, 5 -> kv 1
+])
+def test_pallas_under_a_mesh_runs_per_shard_and_matches_reference(heads, kv_heads, layout):
+    """On a mesh, impl="pallas" runs the kernel inside a shard_map (a Pallas call has no SPMD
+    rule), and with grouped-query attention each rank's query heads still read their own kv
+    heads, in value and gradient."""
+    q, k, v, cotangent = inputs(heads=heads, kv_heads=kv_heads, length=40)
+    segments = packed(2, 40)
+    config = make_config(layout)
+    size = config.mesh.data * config.mesh.fsdp * config.mesh.tensor
+    mesh = build_mesh(config.mesh, jax.devices()[:size])
+    with activation_sharding(mesh, activation_rules(config)):
+        fn = lambda *a: attention(*a, causal=True, segment_ids=segments, impl="pallas")  # noqa
+        assert "shard_map" in str(jax.make_jaxpr(fn)(q, k, v))
+        got = output_and_grads(fn, q, k, v, cotangent)
+    want = output_and_grads(lambda *a: reference_attention(*a, causal=True,
+                                                           segment_ids=segments),
+                            q, k, v, cotangent)
+    for name, g, w in zip(("out", "dq", "dk", "dv"), (got[0], *got[1]), (want[0], *want[1])):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * float(jnp.abs(w).max()),
+                                   err_msg=name)

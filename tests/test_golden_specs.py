@@ -27,7 +27,7 @@ def specs(overrides):
         return {"/".join(map(str, path)): str(tuple(var.get_value().sharding.spec))
                 for path, var in nnx.to_flat_state(tree)}
 
-    return {"params": table(state.params), "adam_mu": table(state.opt_state[1][0].mu)}
+    return {"params": table(state.params), "adam_mu": table(state.opt_state.inner_state[1][0].mu)}
 
 
 def test_partition_specs_match_golden_file():

@@ -83,3 +83,19 @@ def test_cli_trains_tiny_config_and_writes_metrics(tmp_path):
     assert records[-1]["eval_loss"] < records[2]["eval_loss"]
     assert "done: 60 steps" in result.stdout
     assert "steps: 60" in (run_dir / "config.yaml").read_text()
+
+
+def test_chunked_cross_entropy_in_the_model_matches_the_plain_loss():
+    def loss_and_grads(impl):
+        config = make_config({"model.cross_entropy": impl, "model.loss_chunk_tokens": 48,
+                              "mesh.data": 2, "mesh.tensor": 4})
+        trainer = Trainer(config)
+        state = trainer.init_state()
+        batch = trainer.put_batch(next(train_batches(config, open_dataset(config))))
+        loss, grads = trainer.loss_and_grads(state.params, batch)
+        return float(loss), jax.device_get(nnx.to_pure_dict(grads))
+
+    plain, chunked = loss_and_grads("plain"), loss_and_grads("chunked")
+    np.testing.assert_allclose(chunked[0], plain[0], rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(chunked[1]), jax.tree.leaves(plain[1]), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)

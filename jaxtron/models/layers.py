@@ -91,7 +91,8 @@ class Attention(nnx.Module):
             self.bv = param(rngs, zeros, (g, k), ("kv_heads", "head_dim"), pd)
             self.bo = param(rngs, zeros, (d,), ("embed",), pd)
 
-    def __call__(self, x_BxLxD, positions_L):
+    def project_qkv(self, x_BxLxD, positions_L):
+        """q_BxLxHxK, k/v_BxLxGxK with biases and rotary positions applied."""
         cfg, dt = self.cfg, x_BxLxD.dtype
         q_BxLxHxK = jnp.einsum("bld,dhk->blhk", x_BxLxD, self.wq[...].astype(dt))
         k_BxLxGxK = jnp.einsum("bld,dgk->blgk", x_BxLxD, self.wk[...].astype(dt))
@@ -103,15 +104,23 @@ class Attention(nnx.Module):
         if cfg.type == "llama":
             q_BxLxHxK = rotary(q_BxLxHxK, positions_L, cfg.rope_theta)
             k_BxLxGxK = rotary(k_BxLxGxK, positions_L, cfg.rope_theta)
-        q_BxLxHxK = constrain(q_BxLxHxK, ("batch", "seq", "heads", "head_dim"))
-        k_BxLxGxK = constrain(k_BxLxGxK, ("batch", "seq", "kv_heads", "head_dim"))
-        v_BxLxGxK = constrain(v_BxLxGxK, ("batch", "seq", "kv_heads", "head_dim"))
-        out_BxLxHxK = attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, causal=True,
-                                impl=cfg.attention_impl)
+        return q_BxLxHxK, k_BxLxGxK, v_BxLxGxK
+
+    def project_out(self, out_BxLxHxK):
+        dt = out_BxLxHxK.dtype
         out_BxLxD = jnp.einsum("blhk,hkd->bld", out_BxLxHxK, self.wo[...].astype(dt))
         if self.use_bias:
             out_BxLxD += self.bo[...].astype(dt)
         return out_BxLxD
+
+    def __call__(self, x_BxLxD, positions_L):
+        q_BxLxHxK, k_BxLxGxK, v_BxLxGxK = self.project_qkv(x_BxLxD, positions_L)
+        q_BxLxHxK = constrain(q_BxLxHxK, ("batch", "seq", "heads", "head_dim"))
+        k_BxLxGxK = constrain(k_BxLxGxK, ("batch", "seq", "kv_heads", "head_dim"))
+        v_BxLxGxK = constrain(v_BxLxGxK, ("batch", "seq", "kv_heads", "head_dim"))
+        out_BxLxHxK = attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, causal=True,
+                                impl=self.cfg.attention_impl)
+        return self.project_out(out_BxLxHxK)
 
 
 class MLP(nnx.Module):

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxtron.config import ModelConfig, MoEConfig
+from jaxtron.kernels.cross_entropy import chunked_cross_entropy
 from jaxtron.models.blocks import MOE_STATS, Block, BlockGroup
 from jaxtron.models.layers import make_norm, normal, param
 from jaxtron.sharding.rules import constrain
@@ -61,9 +62,18 @@ class Head(nnx.Module):
 
     def __call__(self, x_BxLxD, table_VxD=None):
         x_BxLxD = self.final_norm(x_BxLxD)
-        head_DxV = table_VxD.T if self.cfg.tied_embeddings else self.lm_head[...]
-        logits_BxLxV = x_BxLxD @ head_DxV.astype(x_BxLxD.dtype)
+        logits_BxLxV = x_BxLxD @ self._matrix(table_VxD).astype(x_BxLxD.dtype)
         return constrain(logits_BxLxV, ("batch", "seq", "vocab"))
+
+    def _matrix(self, table_VxD):
+        return table_VxD.T if self.cfg.tied_embeddings else self.lm_head[...]
+
+    def loss(self, x_BxLxD, targets_BxL, table_VxD=None):
+        """Mean next-token loss; `model.cross_entropy=chunked` never forms the full logits."""
+        if self.cfg.cross_entropy == "plain":
+            return cross_entropy_loss(self(x_BxLxD, table_VxD), targets_BxL)
+        return chunked_cross_entropy(self.final_norm(x_BxLxD), self._matrix(table_VxD),
+                                     targets_BxL, chunk_tokens=self.cfg.loss_chunk_tokens)
 
 
 def make_blocks(cfg: ModelConfig, rngs: nnx.Rngs, moe: MoEConfig | None = None) -> nnx.Module:
@@ -121,18 +131,26 @@ class Transformer(nnx.Module):
     def forward(self, tokens_BxL):
         """-> (logits_BxLxV, aux): aux holds the MoE statistics averaged over MoE layers and
         `weighted_terms`, the auxiliary losses to add to the training objective."""
+        x_BxLxD, aux = self._trunk(tokens_BxL)
+        return self.head(x_BxLxD, self.embedder.embed[...]), aux
+
+    def loss(self, tokens_BxL, targets_BxL):
+        """-> (mean next-token loss, aux) without returning logits (see Head.loss)."""
+        x_BxLxD, aux = self._trunk(tokens_BxL)
+        return self.head.loss(x_BxLxD, targets_BxL, self.embedder.embed[...]), aux
+
+    def _trunk(self, tokens_BxL):
         x_BxLxD = self.embedder(tokens_BxL)
         graphdef, stacked = nnx.split(self.blocks)
         x_BxLxD, stats = run_blocks(self.cfg, graphdef, stacked, x_BxLxD)
-        logits = self.head(x_BxLxD, self.embedder.embed[...])
         if self.moe is None:
-            return logits, {}
+            return x_BxLxD, {}
         moe_layers = self.cfg.num_layers // self.moe.every
         mean = {name: value / moe_layers for name, value in stats.items()}
         aux = {f"moe_{name}": value for name, value in mean.items()}
         aux["weighted_terms"] = [self.moe.aux_loss_coef * mean["balance"],
                                  self.moe.z_loss_coef * mean["z"]]
-        return logits, aux
+        return x_BxLxD, aux
 
 
 def cross_entropy_loss(logits_BxLxV, targets_BxL, weights_BxL=None):

@@ -1,0 +1,47 @@
+"""Import a Hugging Face Llama or Mixtral directory as a jaxtron checkpoint to fine-tune from.
+
+    python -m jaxtron.convert --from-hf path/to/Llama-3-8B --out checkpoints/llama3-8b
+    python -m jaxtron.train --config configs/llama3-8b.yaml train.init_from=checkpoints/llama3-8b
+
+The output is the same parameters-only format `python -m jaxtron.export --format orbax` writes:
+`params/` (Orbax) and `config.yaml` with the model and moe sections read from config.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from jaxtron import config as config_lib
+from jaxtron import hf
+from jaxtron.errors import JaxtronError
+from jaxtron.export import save_params
+
+
+def convert(hf_dir, out) -> config_lib.Config:
+    hf_config, tensors = hf.load_hf_dir(hf_dir)
+    model, moe, params = hf.from_hf(hf_config, tensors)
+    config = config_lib.from_dict({"model": model, "moe": moe})
+    save_params(out, config, params)
+    return config
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m jaxtron.convert",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--from-hf", required=True, help="Hugging Face model directory")
+    parser.add_argument("--out", required=True, help="output checkpoint directory")
+    args = parser.parse_args(argv)
+    try:
+        config = convert(args.from_hf, args.out)
+    except JaxtronError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    m = config.model
+    print(f"converted a {m.num_layers}-layer {m.type} model (d_model {m.d_model}, vocab "
+          f"{m.vocab_size}) to {args.out}; fine-tune with train.init_from={args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

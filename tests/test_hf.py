@@ -1,0 +1,166 @@
+"""Hugging Face conversion: round trips, and logits equal to an independent numpy forward pass
+written from the HF tensor names and config.json alone (Llama and Mixtral semantics)."""
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxtron.errors import ConfigError, DataError
+from jaxtron.hf import from_hf, load_hf_dir, save_hf_dir, to_hf
+from jaxtron.trainer import Trainer
+
+from conftest import make_config
+
+LLAMA = {"model": {"num_layers": 2, "d_model": 64, "num_heads": 4, "num_kv_heads": 2,
+                   "mlp_dim": 96, "rope_theta": 500.0}}
+MIXTRAL = {"model": {**LLAMA["model"], "num_heads": 8, "head_dim": 16},  # H*K != D
+           "moe": {"num_experts": 4, "top_k": 2, "mode": "dropless"}}
+VARIANTS = {"llama": LLAMA, "mixtral": MIXTRAL}
+
+
+@functools.cache
+def random_state(name):
+    """A Trainer state whose every parameter (norm scales included) is random, so that a
+    swapped or transposed tensor cannot go unnoticed. Cached: tests only read it."""
+    config = make_config(**VARIANTS[name])
+    trainer = Trainer(config)
+    state = trainer.init_state()
+    pure = nnx.to_pure_dict(state.params)
+    rng = np.random.default_rng(0)
+    leaves, treedef = jax.tree.flatten(pure)
+    pure = jax.tree.unflatten(treedef, [np.asarray(rng.normal(1.0 if a.ndim <= 2 and
+                                                              a.shape[-1] == 64 else 0.0,
+                                                              0.1, a.shape), np.float32)
+                                        for a in leaves])
+    nnx.replace_by_pure_dict(state.params, pure)
+    return config, trainer, state, pure
+
+
+# --- an independent Hugging Face forward pass, in numpy (float64) ----------------------------
+
+def rms_norm(x, w, eps):
+    return w * (x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps))
+
+
+def silu(x):
+    return x / (1.0 + np.exp(-x))
+
+
+def softmax(x, axis=-1):
+    e = np.exp(x - x.max(axis=axis, keepdims=True))
+    return e / e.sum(axis=axis, keepdims=True)
+
+
+def rotate_half(x):
+    half = x.shape[-1] // 2
+    return np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+
+
+def hf_forward(cfg, sd, ids):
+    """LlamaForCausalLM / MixtralForCausalLM logits [T, V] for one sequence."""
+    sd = {k: np.asarray(v, np.float64) for k, v in sd.items()}
+    t, h, g = len(ids), cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    k_dim, eps = cfg["head_dim"], cfg["rms_norm_eps"]
+    inv_freq = 1.0 / cfg["rope_theta"] ** (np.arange(0, k_dim, 2) / k_dim)
+    emb = np.concatenate([np.outer(np.arange(t), inv_freq)] * 2, axis=-1)  # [T, K]
+    cos, sin = np.cos(emb), np.sin(emb)
+    causal = np.tril(np.ones((t, t), bool))
+    x = sd["model.embed_tokens.weight"][ids]
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        a = rms_norm(x, sd[p + "input_layernorm.weight"], eps)
+        q = (a @ sd[p + "self_attn.q_proj.weight"].T).reshape(t, h, k_dim).transpose(1, 0, 2)
+        k = (a @ sd[p + "self_attn.k_proj.weight"].T).reshape(t, g, k_dim).transpose(1, 0, 2)
+        v = (a @ sd[p + "self_attn.v_proj.weight"].T).reshape(t, g, k_dim).transpose(1, 0, 2)
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        k, v = np.repeat(k, h // g, axis=0), np.repeat(v, h // g, axis=0)  # repeat_kv
+        scores = np.where(causal, q @ k.transpose(0, 2, 1) / np.sqrt(k_dim), -np.inf)
+        out = (softmax(scores) @ v).transpose(1, 0, 2).reshape(t, h * k_dim)
+        x = x + out @ sd[p + "self_attn.o_proj.weight"].T
+        a = rms_norm(x, sd[p + "post_attention_layernorm.weight"], eps)
+        if "num_local_experts" in cfg:
+            probs = softmax(a @ sd[p + "block_sparse_moe.gate.weight"].T)  # [T, E]
+            top = np.argsort(-probs, axis=-1)[:, :cfg["num_experts_per_tok"]]
+            weights = np.take_along_axis(probs, top, -1)
+            weights /= weights.sum(-1, keepdims=True)
+            y = np.zeros_like(a)
+            for row in range(t):
+                for e, w in zip(top[row], weights[row]):
+                    q_ = f"{p}block_sparse_moe.experts.{e}."
+                    hid = silu(a[row] @ sd[q_ + "w1.weight"].T) * (a[row] @ sd[q_ + "w3.weight"].T)
+                    y[row] += w * (hid @ sd[q_ + "w2.weight"].T)
+        else:
+            y = (silu(a @ sd[p + "mlp.gate_proj.weight"].T) * (a @ sd[p + "mlp.up_proj.weight"].T)
+                 ) @ sd[p + "mlp.down_proj.weight"].T
+        x = x + y
+    return rms_norm(x, sd["model.norm.weight"], eps) @ sd["lm_head.weight"].T
+
+
+@pytest.mark.parametrize("variant", ["llama", "mixtral"])
+def test_logits_equal_an_independent_hf_forward(variant):
+    config, trainer, state, pure = random_state(variant)
+    hf_config, tensors = to_hf(config, pure)
+    ids = np.random.default_rng(1).integers(0, 256, 12)
+    ours = np.asarray(jax.jit(lambda m, t: m(t))(trainer.model(state), ids[None]))[0]
+    reference = hf_forward(hf_config, tensors, ids)
+    np.testing.assert_allclose(ours, reference, rtol=1e-4, atol=1e-4)
+    assert np.abs(reference).max() > 1.0  # the comparison is not between near-zero numbers
+
+
+@pytest.mark.parametrize("variant", ["llama", "mixtral"])
+@pytest.mark.parametrize("shard_bytes", [None, 60_000], ids=["single", "sharded"])
+def test_round_trip_through_files_is_exact(variant, shard_bytes, tmp_path):
+    config, _, _, pure = random_state(variant)
+    hf_config, tensors = to_hf(config, pure)
+    assert hf_config["architectures"] == (["MixtralForCausalLM"] if variant == "mixtral"
+                                          else ["LlamaForCausalLM"])
+    assert tensors["model.layers.1.self_attn.q_proj.weight"].shape == (
+        config.model.num_heads * config.model.resolved_head_dim, 64)
+    save_hf_dir(tmp_path, hf_config, tensors, max_shard_bytes=shard_bytes)
+    assert (tmp_path / "model.safetensors.index.json").exists() == (shard_bytes is not None)
+    model, moe, params = from_hf(*load_hf_dir(tmp_path))
+    jax.tree.map(np.testing.assert_array_equal, params, pure)
+    rebuilt = make_config(model=model, moe=moe)
+    assert rebuilt.model == config.model
+    assert (rebuilt.moe.num_experts, rebuilt.moe.top_k) == (config.moe.num_experts,
+                                                            config.moe.top_k)
+
+
+def test_errors_name_what_does_not_match():
+    config, _, _, pure = random_state("llama")
+    hf_config, tensors = to_hf(config, pure)
+    with pytest.raises(ConfigError, match="unsupported architecture 'GPT2LMHeadModel'"):
+        from_hf({**hf_config, "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"},
+                tensors)
+    with pytest.raises(ConfigError, match="rope_scaling"):
+        from_hf({**hf_config, "rope_scaling": {"type": "linear", "factor": 2.0}}, tensors)
+    name = "model.layers.1.mlp.up_proj.weight"
+    with pytest.raises(DataError, match=f"missing tensor {name}"):
+        from_hf(hf_config, {k: v for k, v in tensors.items() if k != name})
+    with pytest.raises(DataError, match=rf"{name} has shape \(96, 32\); config.json implies "
+                                        r"\(96, 64\)"):
+        from_hf(hf_config, {**tensors, name: tensors[name][:, :32]})
+    with pytest.raises(DataError, match="unexpected tensors model.layers.0.self_attn.q_proj.bias"):
+        from_hf(hf_config, {**tensors, "model.layers.0.self_attn.q_proj.bias": np.zeros(64)})
+    gpt2 = make_config(model={"type": "gpt2", "num_kv_heads": None})
+    with pytest.raises(ConfigError, match="model.type=gpt2 cannot be exported"):
+        to_hf(gpt2, pure)
+    interleaved = make_config(moe={"num_experts": 4, "every": 2})
+    with pytest.raises(ConfigError, match="moe.every=2 cannot be exported"):
+        to_hf(interleaved, pure)
+
+
+def test_tied_and_windowed_checkpoints_and_missing_files(tmp_path):
+    config, _, _, pure = random_state("llama")
+    hf_config, tensors = to_hf(config, pure)
+    tied = {k: v for k, v in tensors.items() if k != "lm_head.weight"}
+    _, _, params = from_hf({**hf_config, "tie_word_embeddings": True}, tied)
+    np.testing.assert_array_equal(params["head"]["lm_head"], pure["embedder"]["embed"].T)
+    model, _, _ = from_hf({**hf_config, "sliding_window": 128}, tensors)
+    assert model["max_seq_len"] == 128  # windowed attention == causal up to the window
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(DataError, match="neither model.safetensors nor"):
+        load_hf_dir(tmp_path)
