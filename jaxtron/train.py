@@ -21,6 +21,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from tqdm import tqdm
 
 from jaxtron import config as config_lib
 from jaxtron.errors import JaxtronError
@@ -48,15 +49,24 @@ def _parser() -> argparse.ArgumentParser:
 
 
 class MetricsLog:
-    """Appends one JSON object per logged step to metrics.jsonl and prints a progress line."""
+    """Appends one JSON object per logged step to metrics.jsonl and prints a progress line; on
+    a terminal a tqdm bar also advances every step and shows the latest loss, tok/s and MFU."""
 
     def __init__(self, run_dir: Path, total_steps: int, enabled: bool = True,
-                 append: bool = False):
+                 append: bool = False, start: int = 0):
         self.path = run_dir / "metrics.jsonl"
         self.total = total_steps
         self.enabled = enabled
         if enabled and not append:
             self.path.write_text("")
+        self.bar = tqdm(total=total_steps, initial=start, unit="step", dynamic_ncols=True,
+                        disable=not (enabled and sys.stderr.isatty()), leave=False)
+
+    def advance(self) -> None:
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
 
     def write(self, record: dict) -> None:
         if not self.enabled:
@@ -72,7 +82,12 @@ class MetricsLog:
                      f"{record['moe_max_load']:.2f} dropped {100 * record['moe_dropped']:.1f}%")
         if "eval_loss" in record:
             line += f" | eval_loss {record['eval_loss']:.4f}"
-        print(line, flush=True)
+        if self.bar.disable:
+            print(line, flush=True)
+            return
+        self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:,.0f}",
+                             mfu=f"{100 * record['mfu']:.1f}%", refresh=False)
+        self.bar.write(line)
 
 
 def run(config: config_lib.Config) -> dict:
@@ -99,7 +114,8 @@ def run(config: config_lib.Config) -> dict:
     tokens_per_step = c.train.batch_size * c.data.seq_len
     flops_per_step = training_flops_per_token(c.model, c.data.seq_len, c.moe) * tokens_per_step
     peak, peak_source = peak_flops(jax.devices())
-    log = MetricsLog(run_dir, c.train.steps, enabled=is_main, append=resumed_from is not None)
+    log = MetricsLog(run_dir, c.train.steps, enabled=is_main, append=resumed_from is not None,
+                     start=start)
     if is_main:
         n_params = sum(x.size for x in jax.tree.leaves(state.params))
         print(f"jaxtron: {c.model.type} model, {n_params:,} parameters, "
@@ -131,6 +147,7 @@ def run(config: config_lib.Config) -> dict:
     with PreemptionGuard() as guard, _finishing(checkpoints):
         for step in range(start + 1, c.train.steps + 1):
             state, metrics = compiled(state, batch)
+            log.advance()
             data_state = batches.get_state()  # the stream position after this step's batch
             if step < c.train.steps:
                 batch = trainer.put_batch(next(batches))  # overlaps with the running step
@@ -159,6 +176,7 @@ def run(config: config_lib.Config) -> dict:
             _check_finite(last, c, checkpoints)
         if step == c.train.steps and c.checkpoint.every and step % c.checkpoint.every:
             save(step, data_state)
+    log.close()
     if guard.requested:
         print(f"preempted: saved step {step} to {checkpoints.directory / str(step)}; run the "
               "same command again to resume", flush=True)

@@ -128,6 +128,13 @@ def test_pipeline_matches_sequential_model(name, sequential):
     assert_same(run(layout), sequential["llama"])
 
 
+def test_interleaved_over_four_stages_matches_sequential_model():
+    model = {"num_layers": 8}
+    layout = {"mesh.data": 1, "mesh.stage": 4, "pipeline.microbatches": 4,
+              "pipeline.schedule": "interleaved", "pipeline.virtual_stages": 2}
+    assert_same(run(layout, model), run({"mesh.data": 1}, model))
+
+
 def test_uneven_gpt2_over_four_stages_trains_like_the_sequential_model(sequential):
     layout = {"mesh.data": 2, "mesh.stage": 4, "pipeline.microbatches": 4}
     assert_same(run(layout, {"type": "gpt2", "num_kv_heads": None, "num_layers": 5}, steps=2),

@@ -158,3 +158,17 @@ def test_bad_layouts_are_explained(layout, fragment):
 def test_minus_one_takes_the_rest():
     config = make_config({"mesh.data": -1, "mesh.tensor": 2, "mesh.fsdp": 2})
     assert resolve_degrees(config.mesh, 8)["data"] == 2
+
+
+def test_dry_run_prints_mesh_shardings_and_memory():
+    import subprocess
+    import sys
+    result = subprocess.run(
+        [sys.executable, "-m", "jaxtron.train", "--config", "configs/tiny.yaml", "--dry-run",
+         "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "optim.zero_stage=1"],
+        capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    out = result.stdout
+    assert "mesh: 8 devices (data=2, fsdp=2, tensor=2)" in out
+    assert "blocks/attn/wq" in out and "(None, 'fsdp', 'tensor', None)" in out
+    assert "per-device memory: parameters" in out and "peak temporaries" in out
