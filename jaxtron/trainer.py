@@ -46,18 +46,14 @@ class Trainer:
 
         abstract = jax.eval_shape(self._init)
         replicated = NamedSharding(self.mesh, PartitionSpec())
-        zero_rules = optimizer_rules(config)
-        self.state_shardings = TrainState(
-            step=replicated,
-            params=variable_shardings(abstract.params, self.param_rules, self.mesh),
-            opt_state=variable_shardings(abstract.opt_state, zero_rules, self.mesh))
+        self.state_shardings = self._shardings(abstract)
         self.batch_sharding = NamedSharding(self.mesh, spec_for(("batch", None),
                                                                 self.activation_rules, self.mesh))
         grad_fn = (self.pipeline.value_and_grad if self.pipeline
                    else plain_grads(self.loss_fn))
         if config.optim.zero_stage >= 2:
-            grad_fn = sharded_grads(grad_fn, variable_shardings(abstract.params, zero_rules,
-                                                                self.mesh))
+            grad_fn = sharded_grads(grad_fn, variable_shardings(
+                abstract.params, optimizer_rules(config), self.mesh))
         if config.optim.grad_accum > 1:
             grad_fn = accumulated_grads(grad_fn, config.optim.grad_accum)
         self._step = jax.jit(make_train_step(self.tx, self.schedule, grad_fn),
@@ -69,6 +65,14 @@ class Trainer:
         self._eval = jax.jit(make_eval_step(self.loss_fn, self.to_model_params),
                              in_shardings=(self.state_shardings.params, self.batch_sharding),
                              out_shardings=replicated)
+
+    def _shardings(self, abstract: TrainState) -> TrainState:
+        """Parameters by the parameter rules, optimizer state by the (ZeRO) optimizer rules."""
+        return TrainState(
+            step=NamedSharding(self.mesh, PartitionSpec()),
+            params=variable_shardings(abstract.params, self.param_rules, self.mesh),
+            opt_state=variable_shardings(abstract.opt_state, optimizer_rules(self.config),
+                                         self.mesh))
 
     def _check_batch(self) -> None:
         c = self.config
@@ -159,35 +163,22 @@ class Trainer:
         """The state in the model's own layout (what checkpoints hold, whatever the mesh)."""
         if not self.pipeline:
             return state
-        convert = self.pipeline.to_model_params
-        opt_state = jax.tree.map(
-            lambda x: convert(x) if isinstance(x, nnx.State) and "blocks" in x else x,
-            state.opt_state, is_leaf=lambda x: isinstance(x, nnx.State))
-        return TrainState(step=state.step, params=convert(state.params), opt_state=opt_state)
+        return _convert_layout(state, self.pipeline.to_model_params)
 
     def abstract_canonical_state(self) -> TrainState:
         """Restore target of a checkpoint: canonical shapes with this mesh's shardings."""
         if not self.pipeline:
             return self.abstract_state()
         abstract = jax.eval_shape(lambda: self.canonical_state(self._init()))
-        zero_rules = optimizer_rules(self.config)
-        shardings = TrainState(
-            step=NamedSharding(self.mesh, PartitionSpec()),
-            params=variable_shardings(abstract.params, self.param_rules, self.mesh),
-            opt_state=variable_shardings(abstract.opt_state, zero_rules, self.mesh))
         return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                            abstract, shardings)
+                            abstract, self._shardings(abstract))
 
     def from_canonical_state(self, state: TrainState) -> TrainState:
         if not self.pipeline:
             return state
 
         def convert(state):
-            to_pipe = self.pipeline.to_pipeline_params
-            opt_state = jax.tree.map(
-                lambda x: to_pipe(x) if isinstance(x, nnx.State) and "blocks" in x else x,
-                state.opt_state, is_leaf=lambda x: isinstance(x, nnx.State))
-            return TrainState(step=state.step, params=to_pipe(state.params), opt_state=opt_state)
+            return _convert_layout(state, self.pipeline.to_pipeline_params)
 
         return jax.jit(convert, out_shardings=self.state_shardings)(state)
 
@@ -206,3 +197,12 @@ class Trainer:
     def model(self, state: TrainState) -> Transformer:
         """The NNX model with the state's parameters, for inspection or generation."""
         return nnx.merge(self.graphdef, self.to_model_params(state.params))
+
+
+def _convert_layout(state: TrainState, convert) -> TrainState:
+    """Apply a parameter-layout conversion to the parameters and to every optimizer-state tree
+    shaped like them (Adam's moments)."""
+    opt_state = jax.tree.map(
+        lambda x: convert(x) if isinstance(x, nnx.State) and "blocks" in x else x,
+        state.opt_state, is_leaf=lambda x: isinstance(x, nnx.State))
+    return TrainState(step=state.step, params=convert(state.params), opt_state=opt_state)
