@@ -14,7 +14,7 @@ import sys
 
 from jaxtron import config as config_lib
 from jaxtron import hf
-from jaxtron.errors import JaxtronError
+from jaxtron.errors import exits_on_user_error
 from jaxtron.export import save_params
 
 
@@ -26,17 +26,14 @@ def convert(hf_dir, out) -> config_lib.Config:
     return config
 
 
+@exits_on_user_error
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jaxtron.convert",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--from-hf", required=True, help="Hugging Face model directory")
     parser.add_argument("--out", required=True, help="output checkpoint directory")
     args = parser.parse_args(argv)
-    try:
-        config = convert(args.from_hf, args.out)
-    except JaxtronError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    config = convert(args.from_hf, args.out)
     m = config.model
     print(f"converted a {m.num_layers}-layer {m.type} model (d_model {m.d_model}, vocab "
           f"{m.vocab_size}) to {args.out}; fine-tune with train.init_from={args.out}")

@@ -22,7 +22,7 @@ from flax import nnx
 
 from jaxtron import config as config_lib
 from jaxtron.checkpoint import CheckpointError, Checkpointer, check_compatible, checkpoint_dir
-from jaxtron.errors import JaxtronError
+from jaxtron.errors import exits_on_user_error
 
 
 def single_device_config(config: config_lib.Config) -> config_lib.Config:
@@ -83,6 +83,7 @@ def load_params(path: str | Path, trainer) -> nnx.State:
     return params
 
 
+@exits_on_user_error
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jaxtron.export",
                                      description=__doc__.split("\n\n")[0])
@@ -91,18 +92,14 @@ def main(argv=None) -> int:
     parser.add_argument("--format", choices=("orbax", "hf"), default="orbax")
     parser.add_argument("--step", type=int, help="checkpoint step (default: newest)")
     args = parser.parse_args(argv)
-    try:
-        config, params = load_training_params(args.checkpoint, args.step)
-        if args.format == "orbax":
-            out = save_params(args.out, config, params)
-        else:
-            from jaxtron import hf
-            hf_config, tensors = hf.to_hf(config, params)
-            hf.save_hf_dir(args.out, hf_config, tensors)
-            out = Path(args.out)
-    except JaxtronError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    config, params = load_training_params(args.checkpoint, args.step)
+    if args.format == "orbax":
+        out = save_params(args.out, config, params)
+    else:
+        from jaxtron import hf
+        hf_config, tensors = hf.to_hf(config, params)
+        hf.save_hf_dir(args.out, hf_config, tensors)
+        out = Path(args.out)
     print(f"exported {args.format} checkpoint to {out}")
     return 0
 

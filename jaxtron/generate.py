@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxtron.errors import ConfigError
+from jaxtron.errors import ConfigError, exits_on_user_error
 from jaxtron.models.decode import forward_cached, init_cache
 
 
@@ -163,11 +163,9 @@ def _tokenizer(config):
     return None
 
 
+@exits_on_user_error
 def main(argv=None) -> int:
     import argparse
-    import sys
-
-    from jaxtron.errors import JaxtronError
 
     parser = argparse.ArgumentParser(prog="python -m jaxtron.generate",
                                      description="Sample text from a trained or imported model.")
@@ -182,25 +180,21 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--step", type=int, default=None, help="checkpoint step of a run")
     args = parser.parse_args(argv)
-    try:
-        config, model = _load_model(args.checkpoint, args.step)
-        tokenizer = _tokenizer(config)
-        if args.prompt is not None:
-            if tokenizer is None:
-                raise ConfigError(f"no tokenizer is known for data.path={config.data.path}; "
-                                  "pass --prompt-ids instead of --prompt.")
-            prompt = tokenizer.encode(args.prompt)
-        else:
-            try:
-                prompt = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
-            except ValueError:
-                raise ConfigError(f"--prompt-ids {args.prompt_ids!r} must be comma-separated "
-                                  "integers, e.g. 1,2,3.") from None
-        ids = generate(model, prompt, max_new_tokens=args.max_new_tokens,
-                       temperature=args.temperature, top_k=args.top_k, seed=args.seed)
-    except JaxtronError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    config, model = _load_model(args.checkpoint, args.step)
+    tokenizer = _tokenizer(config)
+    if args.prompt is not None:
+        if tokenizer is None:
+            raise ConfigError(f"no tokenizer is known for data.path={config.data.path}; "
+                              "pass --prompt-ids instead of --prompt.")
+        prompt = tokenizer.encode(args.prompt)
+    else:
+        try:
+            prompt = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
+        except ValueError:
+            raise ConfigError(f"--prompt-ids {args.prompt_ids!r} must be comma-separated "
+                              "integers, e.g. 1,2,3.") from None
+    ids = generate(model, prompt, max_new_tokens=args.max_new_tokens,
+                   temperature=args.temperature, top_k=args.top_k, seed=args.seed)
     print("ids:", ",".join(map(str, ids)))
     if tokenizer is not None:
         print("text:", (args.prompt or "") + tokenizer.decode(ids))

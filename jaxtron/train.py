@@ -24,7 +24,7 @@ import numpy as np
 from tqdm import tqdm
 
 from jaxtron import config as config_lib
-from jaxtron.errors import JaxtronError
+from jaxtron.errors import JaxtronError, exits_on_user_error
 from jaxtron.preemption import PreemptionGuard
 from jaxtron.flops import peak_flops, training_flops_per_token
 from jaxtron.sharding.mesh import describe_mesh
@@ -144,6 +144,12 @@ def run(config: config_lib.Config) -> dict:
     # Throughput is taken between completions of logged steps, minus evaluation time.
     clock = {"time": time.perf_counter(), "step": start, "eval_s": 0.0}
     pending, last, step = None, {}, start
+
+    def flush() -> dict:
+        """Report the pending step (waiting for it) and stop on a bad one before any save."""
+        record = _report(*pending, log, clock, flops_per_step, tokens_per_step, peak)
+        _check_finite(record, c, checkpoints)
+        return record
     with PreemptionGuard() as guard, _finishing(checkpoints):
         for step in range(start + 1, c.train.steps + 1):
             state, metrics = compiled(state, batch)
@@ -152,9 +158,7 @@ def run(config: config_lib.Config) -> dict:
             if step < c.train.steps:
                 batch = trainer.put_batch(next(batches))  # overlaps with the running step
             if pending is not None:
-                last = _report(*pending, log, clock, flops_per_step, tokens_per_step, peak)
-                pending = None
-                _check_finite(last, c, checkpoints)
+                last, pending = flush(), None
             eval_loss = None
             if (c.train.eval_every and step % c.train.eval_every == 0) or step == c.train.steps:
                 jax.block_until_ready(metrics)  # the step's own time stays in the window
@@ -165,15 +169,12 @@ def run(config: config_lib.Config) -> dict:
                     or guard.requested):
                 pending = (step, metrics, eval_loss)
             if guard.requested or (c.checkpoint.every and step % c.checkpoint.every == 0):
-                last = _report(*pending, log, clock, flops_per_step, tokens_per_step, peak)
-                pending = None
-                _check_finite(last, c, checkpoints)  # never save past a bad step
+                last, pending = flush(), None  # never save past a bad step
                 save(step, data_state)
             if guard.requested:
                 break
         if pending is not None:
-            last = _report(*pending, log, clock, flops_per_step, tokens_per_step, peak)
-            _check_finite(last, c, checkpoints)
+            last = flush()
         if step == c.train.steps and c.checkpoint.every and step % c.checkpoint.every:
             save(step, data_state)
     log.close()
@@ -266,20 +267,17 @@ def dry_run(config: config_lib.Config) -> dict:
     return report
 
 
+@exits_on_user_error
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
-    try:
-        config = config_lib.load(args.config, args.overrides)
-        if args.print_config:
-            print(config_lib.dump(config), end="")
-            return 0
-        if args.dry_run:
-            dry_run(config)
-        else:
-            run(config)
-    except JaxtronError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    config = config_lib.load(args.config, args.overrides)
+    if args.print_config:
+        print(config_lib.dump(config), end="")
+        return 0
+    if args.dry_run:
+        dry_run(config)
+    else:
+        run(config)
     return 0
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from jaxtron.data.indexed import write_indexed
 from jaxtron.data.tokenizer import load_tokenizer
-from jaxtron.errors import DataError, JaxtronError
+from jaxtron.errors import DataError, exits_on_user_error
 
 
 def read_documents(path: Path, pattern: str, jsonl_key: str):
@@ -56,6 +56,7 @@ def prepare(input_path, out, tokenizer="byte", pattern="*", jsonl_key="text") ->
                          eos_id=tok.eos_id)
 
 
+@exits_on_user_error
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jaxtron.data.prepare",
                                      description=__doc__.split("\n\n")[0])
@@ -66,11 +67,7 @@ def main(argv=None) -> int:
     parser.add_argument("--glob", default="*", help="file pattern inside a folder input")
     parser.add_argument("--jsonl-key", default="text", help="field holding text in JSONL")
     args = parser.parse_args(argv)
-    try:
-        meta = prepare(args.input, args.out, args.tokenizer, args.glob, args.jsonl_key)
-    except JaxtronError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    meta = prepare(args.input, args.out, args.tokenizer, args.glob, args.jsonl_key)
     print(f"wrote {args.out}.bin/.idx: {meta['num_documents']} documents, "
           f"{meta['num_tokens']} tokens, vocab {meta['vocab_size']}")
     return 0
