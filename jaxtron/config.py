@@ -128,7 +128,8 @@ class TrainConfig:
     eval_batches: int = _f(4, "batches in each evaluation")
     run_dir: str = _f("runs/default", "where metrics.jsonl and config.yaml are written")
     seed: int = _f(0, "seed for parameters and data order")
-    tensorboard: bool = _f(False, "also write TensorBoard event files")
+    tensorboard: bool = _f(False, "also write the metrics as TensorBoard event files to "
+                           "<run_dir>/tensorboard")
     resume: str = _f("auto", "auto: continue from the newest checkpoint in the run dir; never: "
                      "start afresh (existing checkpoints are kept, new ones added)",
                      ("auto", "never"))
@@ -169,6 +170,23 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True)
+class DistributedConfig:
+    coordinator_address: str | None = _f(
+        None, "host:port of process 0 for a multi-process run (null = JAX_COORDINATOR_ADDRESS, "
+        "else the first node of a SLURM step)")
+    num_processes: int | None = _f(None, "processes in the job (null = JAX_NUM_PROCESSES, else "
+                                   "SLURM_NTASKS, else 1)")
+    process_id: int | None = _f(None, "this process's rank (null = JAX_PROCESS_ID, else "
+                                "SLURM_PROCID)")
+    local_device_ids: tuple[int, ...] | None = _f(
+        None, "accelerators this process drives (null = all on the node when it runs one "
+        "process per node, else the one matching SLURM_LOCALID)")
+    init_timeout_s: int = _f(300, "seconds to wait for every process to join")
+    heartbeat_timeout_s: int = _f(100, "seconds without a heartbeat after which a process is "
+                                  "declared dead and the others exit")
+
+
+@dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
@@ -178,6 +196,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -298,6 +317,44 @@ def load(path: str | Path | None, overrides: list[str] = ()) -> Config:
     return from_dict(raw, overrides)
 
 
+def _type_name(annotation) -> str:
+    names = []
+    for t in _allowed_types(annotation):
+        if t is type(None):
+            continue
+        names.append(f"list[{typing.get_args(t)[0].__name__}]" if typing.get_origin(t) is tuple
+                     else t.__name__)
+    return " | ".join(names)
+
+
+def field_reference(cls=Config, prefix: str = "") -> list[tuple[str, str, str, str]]:
+    """(dotted key, type, default, meaning) for every field: what `--help` prints."""
+    rows = []
+    for f in dataclasses.fields(cls):
+        if f.default_factory is not dataclasses.MISSING:
+            rows += field_reference(f.default_factory, f"{prefix}{f.name}.")
+            continue
+        meaning = f.metadata.get("help", "")
+        if f.metadata.get("choices"):
+            meaning += f" [{', '.join(map(str, f.metadata['choices']))}]"
+        default = yaml.safe_dump(f.default, default_flow_style=True).strip()
+        default = default.removesuffix("\n...").removesuffix("...").strip()
+        rows.append((f"{prefix}{f.name}", _type_name(f.type), default, meaning))
+    return rows
+
+
+def format_field_reference() -> str:
+    """Every config field, grouped by section, one line each."""
+    lines, section = [], None
+    for key, type_name, default, meaning in field_reference():
+        head = key.split(".")[0]
+        if head != section:
+            section = head
+            lines.append(f"{section}:")
+        lines.append(f"  {key:<30} {type_name:<10} {default:<17} {meaning}")
+    return "\n".join(lines)
+
+
 def to_dict(config) -> dict:
     return dataclasses.asdict(config)
 
@@ -355,8 +412,6 @@ def validate(c: Config) -> None:
     _check(o.lr > 0, f"optim.lr={o.lr} must be positive.")
     _check(c.checkpoint.every >= 0, f"checkpoint.every={c.checkpoint.every} must be >= 0.")
     _check(c.checkpoint.keep >= 1, f"checkpoint.keep={c.checkpoint.keep} must be >= 1.")
-    _check(not t.tensorboard, "train.tensorboard=true is not available in this version; "
-           "metrics are in <train.run_dir>/metrics.jsonl. Set train.tensorboard=false.")
     mesh = c.mesh
     for name in ("data", "fsdp", "tensor", "sequence", "expert", "stage"):
         value = getattr(mesh, name)
@@ -367,6 +422,13 @@ def validate(c: Config) -> None:
            "only one mesh degree may be -1 (= the rest); give the others explicit values.")
     _validate_moe(c)
     _validate_pipeline(c)
+    dist = c.distributed
+    _check(dist.num_processes is None or dist.num_processes >= 1,
+           f"distributed.num_processes={dist.num_processes} must be >= 1 or null (= detect).")
+    _check(dist.process_id is None or dist.process_id >= 0,
+           f"distributed.process_id={dist.process_id} must be >= 0 or null (= detect).")
+    for name in ("init_timeout_s", "heartbeat_timeout_s"):
+        _check(getattr(dist, name) > 0, f"distributed.{name}={getattr(dist, name)} must be positive.")
     for name in ("data", "fsdp", "stage"):
         dcn, total = getattr(mesh, f"dcn_{name}"), getattr(mesh, name)
         _check(dcn > 0, f"mesh.dcn_{name}={dcn} must be a positive integer.")

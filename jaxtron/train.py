@@ -24,6 +24,7 @@ import numpy as np
 from tqdm import tqdm
 
 from jaxtron import config as config_lib
+from jaxtron import distributed
 from jaxtron.errors import JaxtronError, exits_on_user_error
 from jaxtron.preemption import PreemptionGuard
 from jaxtron.flops import peak_flops, training_flops_per_token
@@ -37,7 +38,10 @@ class NonFiniteError(JaxtronError):
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m jaxtron.train", description="Train a transformer from a YAML config.",
-        epilog="Overrides: section.key=value, e.g. train.steps=50 model.num_layers=4.")
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Config fields (key, type, default, meaning); set any in the YAML file or as an "
+               "override\nsection.key=value, e.g. train.steps=50 model.num_layers=4:\n\n"
+               + config_lib.format_field_reference())
     parser.add_argument("--config", help="YAML config file, e.g. configs/tiny.yaml")
     parser.add_argument("--print-config", action="store_true",
                         help="print the resolved config and exit")
@@ -49,16 +53,21 @@ def _parser() -> argparse.ArgumentParser:
 
 
 class MetricsLog:
-    """Appends one JSON object per logged step to metrics.jsonl and prints a progress line; on
-    a terminal a tqdm bar also advances every step and shows the latest loss, tok/s and MFU."""
+    """Appends one JSON object per logged step to metrics.jsonl (and TensorBoard scalars with
+    `tensorboard=True`) and prints a progress line; on a terminal a tqdm bar also advances every
+    step and shows the latest loss, tok/s and MFU."""
 
     def __init__(self, run_dir: Path, total_steps: int, enabled: bool = True,
-                 append: bool = False, start: int = 0):
+                 append: bool = False, start: int = 0, tensorboard: bool = False):
         self.path = run_dir / "metrics.jsonl"
         self.total = total_steps
         self.enabled = enabled
         if enabled and not append:
             self.path.write_text("")
+        self.events = None
+        if enabled and tensorboard:
+            from tensorboardX import SummaryWriter
+            self.events = SummaryWriter(str(run_dir / "tensorboard"))
         self.bar = tqdm(total=total_steps, initial=start, unit="step", dynamic_ncols=True,
                         disable=not (enabled and sys.stderr.isatty()), leave=False)
 
@@ -67,12 +76,20 @@ class MetricsLog:
 
     def close(self) -> None:
         self.bar.close()
+        if self.events is not None:
+            self.events.close()
 
     def write(self, record: dict) -> None:
         if not self.enabled:
             return
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
+        if self.events is not None:
+            for key, value in record.items():
+                if key != "step":
+                    tag = "eval/loss" if key == "eval_loss" else f"train/{key}"
+                    self.events.add_scalar(tag, value, record["step"])
+            self.events.flush()
         line = (f"step {record['step']:>{len(str(self.total))}}/{self.total} | "
                 f"loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
                 f"grad_norm {record['grad_norm']:.3f} | {record['tokens_per_s']:,.0f} tok/s | "
@@ -104,9 +121,9 @@ def run(config: config_lib.Config) -> dict:
         (run_dir / "config.yaml").write_text(config_lib.dump(c))
 
     dataset = open_dataset(c)
-    batches = train_batches(c, dataset, jax.process_index(), jax.process_count())
-    held_out = eval_batches(c, dataset, jax.process_index(), jax.process_count())
     trainer = Trainer(c)
+    batches = train_batches(c, dataset, trainer.local_rows())
+    held_out = eval_batches(c, dataset, trainer.local_rows())
     checkpoints = Checkpointer(checkpoint_dir(run_dir), c.checkpoint.keep)
     state, resumed_from = _initial_state(trainer, checkpoints, batches)
     start = int(jax.device_get(state.step))
@@ -115,7 +132,7 @@ def run(config: config_lib.Config) -> dict:
     flops_per_step = training_flops_per_token(c.model, c.data.seq_len, c.moe) * tokens_per_step
     peak, peak_source = peak_flops(jax.devices())
     log = MetricsLog(run_dir, c.train.steps, enabled=is_main, append=resumed_from is not None,
-                     start=start)
+                     start=start, tensorboard=c.train.tensorboard)
     if is_main:
         n_params = sum(x.size for x in jax.tree.leaves(state.params))
         print(f"jaxtron: {c.model.type} model, {n_params:,} parameters, "
@@ -124,7 +141,9 @@ def run(config: config_lib.Config) -> dict:
         if resumed_from is not None:
             print(f"resumed from {resumed_from} at step {start}", flush=True)
     if start >= c.train.steps:
-        print(f"nothing to do: the checkpoint is at step {start} >= train.steps", flush=True)
+        if is_main:
+                print(f"nothing to do: the checkpoint is at step {start} >= train.steps",
+                  flush=True)
         return {"steps": start, "run_dir": str(run_dir)}
 
     compile_start = time.perf_counter()
@@ -178,7 +197,7 @@ def run(config: config_lib.Config) -> dict:
         if step == c.train.steps and c.checkpoint.every and step % c.checkpoint.every:
             save(step, data_state)
     log.close()
-    if guard.requested:
+    if guard.requested and is_main:
         print(f"preempted: saved step {step} to {checkpoints.directory / str(step)}; run the "
               "same command again to resume", flush=True)
     summary = {"steps": step, "final_loss": last["loss"],
@@ -274,10 +293,12 @@ def main(argv=None) -> int:
     if args.print_config:
         print(config_lib.dump(config), end="")
         return 0
-    if args.dry_run:
-        dry_run(config)
-    else:
-        run(config)
+    launch = distributed.initialize(config)
+    with distributed.exits_when_a_peer_fails(launch):
+        if args.dry_run:
+            dry_run(config)
+        else:
+            run(config)
     return 0
 
 

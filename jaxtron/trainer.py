@@ -103,9 +103,6 @@ class Trainer:
         if c.model.d_model % self.mesh.shape["fsdp"]:
             raise ConfigError(f"mesh.fsdp={self.mesh.shape['fsdp']} must divide "
                               f"model.d_model={c.model.d_model}.")
-        if jax.process_count() > 1 and c.train.batch_size % jax.process_count():
-            raise ConfigError(f"train.batch_size={c.train.batch_size} must divide evenly over "
-                              f"{jax.process_count()} processes.")
 
     def _new_model(self) -> Transformer:
         return Transformer(self.config.model, rngs=nnx.Rngs(self.config.train.seed),
@@ -153,6 +150,22 @@ class Trainer:
     def eval_loss(self, state: TrainState, batch: dict) -> jax.Array:
         with self._tracing():
             return self._eval(state.params, batch)
+
+    def local_rows(self) -> slice:
+        """The rows of every global batch that this process's devices hold: all of them for one
+        process, a contiguous share per host when the batch axes span hosts."""
+        shape = (self.config.train.batch_size, self.config.data.seq_len + 1)
+        held = self.batch_sharding.addressable_devices_indices_map(shape).values()
+        covered = set()
+        for rows, *_ in held:
+            covered.update(range(*rows.indices(shape[0])[:2]))
+        start, stop = min(covered), max(covered) + 1
+        if len(covered) != stop - start:
+            raise ConfigError(
+                f"this process's devices hold rows {sorted(covered)} of the batch, which are not "
+                "one contiguous block; make the cross-host part of the batch axes explicit with "
+                "mesh.dcn_data / mesh.dcn_fsdp so each host holds one block.")
+        return slice(start, stop)
 
     def put_batch(self, local_batch: dict) -> dict:
         """This process's rows -> global arrays sharded over the batch axes of the mesh."""

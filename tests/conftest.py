@@ -24,6 +24,18 @@ def corpus_cache(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="session", autouse=True)
+def compilation_cache(tmp_path_factory):
+    """One persistent XLA compilation cache for the session, shared with the CLI subprocesses:
+    the same tiny programs are compiled by many tests, and a cache hit skips XLA entirely."""
+    path = str(tmp_path_factory.mktemp("xla-cache"))
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = path
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.5"
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    return path
+
+
 def make_config(overrides: dict | None = None, model: dict | None = None, **sections):
     """A small config: TINY_MODEL plus per-section dicts, e.g. make_config(train={...})."""
     raw = {"model": {**TINY_MODEL, **(model or {})},

@@ -1,11 +1,13 @@
 """Training works: it overfits, learns the corpus, and shards without changing the numbers."""
 
 import json
+import struct
 import subprocess
 import sys
 
 import jax
 import numpy as np
+import pytest
 from flax import nnx
 
 from jaxtron.data.pipeline import open_dataset, train_batches
@@ -69,7 +71,7 @@ def test_cli_trains_tiny_config_and_writes_metrics(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "jaxtron.train", "--config", "configs/tiny.yaml",
          "train.steps=60", "train.log_every=10", "train.eval_every=30",
-         f"train.run_dir={run_dir}", "data.builtin_max_bytes=400000"],
+         f"train.run_dir={run_dir}", "data.builtin_max_bytes=400000", "train.tensorboard=true"],
         capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -83,6 +85,26 @@ def test_cli_trains_tiny_config_and_writes_metrics(tmp_path):
     assert records[-1]["eval_loss"] < records[2]["eval_loss"]
     assert "done: 60 steps" in result.stdout
     assert "steps: 60" in (run_dir / "config.yaml").read_text()
+    scalars = read_event_scalars(run_dir / "tensorboard")
+    assert scalars["train/loss"] == [(r["step"], pytest.approx(r["loss"])) for r in records]
+    assert [s for s, _ in scalars["eval/loss"]] == [30, 60]
+
+
+def read_event_scalars(folder):
+    """{tag: [(step, value)]} from TFRecord event files, read without TensorBoard: each record is
+    a little-endian u64 length, a u32 CRC, the serialized Event, a u32 CRC."""
+    from tensorboardX.proto import event_pb2
+
+    scalars = {}
+    for path in sorted(folder.glob("events.out.tfevents.*")):
+        data, offset = path.read_bytes(), 0
+        while offset < len(data):
+            (length,) = struct.unpack("<Q", data[offset:offset + 8])
+            event = event_pb2.Event.FromString(data[offset + 12:offset + 12 + length])
+            offset += 12 + length + 4
+            for value in event.summary.value:
+                scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
+    return scalars
 
 
 def test_chunked_cross_entropy_in_the_model_matches_the_plain_loss():

@@ -6,8 +6,8 @@ evaluation. Shuffling is grain's seeded index permutation, reshuffled each epoch
 depends only on `train.seed`. The iterator's state is just the next batch index: saving and
 restoring it resumes the exact stream.
 
-Each process reads only its own rows of every global batch (`process_index`), so several hosts
-together produce exactly the batch one process would.
+Each process reads only the rows of every global batch that its own devices hold (`rows`, from
+`Trainer.local_rows()`), so several hosts together produce exactly the batch one process would.
 """
 
 from __future__ import annotations
@@ -39,18 +39,15 @@ class TokenWindows:
 
 
 class HostRows:
-    """Batch i of this host: its contiguous slice of global batch i of the shuffled stream."""
+    """Batch i of this host: rows `rows` of global batch i of the shuffled stream."""
 
-    def __init__(self, windows: grain.MapDataset, global_batch: int, process_index: int,
-                 process_count: int):
+    def __init__(self, windows: grain.MapDataset, global_batch: int, rows: slice | None):
         self.windows, self.global_batch = windows, global_batch
-        self.local_batch = global_batch // process_count
-        self.offset = process_index * self.local_batch
+        self.rows = range(global_batch)[rows or slice(None)]
 
     def __call__(self, batch_index: int) -> dict:
-        first = batch_index * self.global_batch + self.offset
-        rows = [self.windows[first + j] for j in range(self.local_batch)]
-        return {"tokens": np.stack(rows)}
+        first = batch_index * self.global_batch
+        return {"tokens": np.stack([self.windows[first + j] for j in self.rows])}
 
 
 def open_dataset(config: Config) -> IndexedDataset:
@@ -89,18 +86,19 @@ def _windows(config: Config, dataset: IndexedDataset, split: str) -> TokenWindow
     return windows
 
 
-def train_batches(config: Config, dataset: IndexedDataset, process_index: int = 0,
-                  process_count: int = 1) -> grain.DatasetIterator:
-    """Endless, checkpointable iterator of {"tokens": int32[local_batch, seq_len + 1]}."""
+def train_batches(config: Config, dataset: IndexedDataset,
+                  rows: slice | None = None) -> grain.DatasetIterator:
+    """Endless, checkpointable iterator of {"tokens": int32[len(rows), seq_len + 1]}: the rows
+    `rows` (default all) of each global batch."""
     windows = grain.MapDataset.source(_windows(config, dataset, "train"))
     stream = windows.shuffle(seed=config.train.seed).repeat()
-    rows = HostRows(stream, config.train.batch_size, process_index, process_count)
-    return iter(grain.MapDataset.range(sys.maxsize).map(rows).to_iter_dataset())
+    return iter(grain.MapDataset.range(sys.maxsize).map(
+        HostRows(stream, config.train.batch_size, rows)).to_iter_dataset())
 
 
-def eval_batches(config: Config, dataset: IndexedDataset, process_index: int = 0,
-                 process_count: int = 1) -> list[dict]:
+def eval_batches(config: Config, dataset: IndexedDataset,
+                 rows: slice | None = None) -> list[dict]:
     """The same held-out batches at every evaluation, in order, wrapping if the split is small."""
     windows = grain.MapDataset.source(_windows(config, dataset, "validation")).repeat()
-    rows = HostRows(windows, config.train.batch_size, process_index, process_count)
-    return [rows(i) for i in range(config.train.eval_batches)]
+    host_rows = HostRows(windows, config.train.batch_size, rows)
+    return [host_rows(i) for i in range(config.train.eval_batches)]

@@ -1,0 +1,146 @@
+"""Join a multi-process job through JAX's distributed runtime before any device is touched.
+
+Where the settings come from, first match wins, field by field:
+  1. the config (`distributed.coordinator_address`, `.num_processes`, `.process_id`);
+  2. the environment: JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID;
+  3. a SLURM step (`srun`): SLURM_STEP_NODELIST (its first node hosts the coordinator on a port
+     derived from SLURM_JOB_ID, or JAX_COORDINATOR_PORT), SLURM_NTASKS, SLURM_PROCID.
+One process needs nothing. On CPU the processes exchange data through gloo, so a job of several
+processes runs on one machine exactly as on a cluster.
+
+A process that dies stops sending heartbeats; after `distributed.heartbeat_timeout_s` the
+coordination service tells the others, which then exit with an error instead of waiting forever
+in a collective.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import re
+import sys
+
+import jax
+
+from jaxtron.config import Config, DistributedConfig
+from jaxtron.errors import JaxtronError
+
+
+class LaunchError(JaxtronError):
+    """Settings of a multi-process launch that are missing or inconsistent."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    coordinator_address: str
+    num_processes: int
+    process_id: int
+    local_device_ids: tuple[int, ...] | None
+
+
+def first_slurm_host(node_list: str) -> str:
+    """'gpu[003-007,9],cpu1' -> 'gpu003': the node that runs SLURM's task 0."""
+    match = re.match(r"([^,\[]+)(?:\[([^\],\-]+))?", node_list.strip())
+    if not match:
+        raise LaunchError(f"SLURM_STEP_NODELIST={node_list!r} names no host; launch with srun "
+                          "inside an allocation, or set distributed.coordinator_address.")
+    prefix, first_index = match.groups()
+    return prefix + (first_index or "")
+
+
+def _env_int(environ, name: str) -> int | None:
+    value = environ.get(name)
+    if value in (None, ""):
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise LaunchError(f"the environment variable {name}={value!r} must be an integer; fix "
+                          "the launch script or unset it.") from None
+
+
+def _slurm_tasks_per_node(environ) -> int | None:
+    """SLURM_NTASKS_PER_NODE, else the first count of SLURM_STEP_TASKS_PER_NODE ('8(x2)')."""
+    count = _env_int(environ, "SLURM_NTASKS_PER_NODE")
+    if count is None:
+        match = re.match(r"\d+", environ.get("SLURM_STEP_TASKS_PER_NODE", ""))
+        count = int(match.group()) if match else None
+    return count
+
+
+def resolve_launch(settings: DistributedConfig, environ=os.environ) -> Launch | None:
+    """The settings of this process's multi-process job, or None for a single process."""
+    slurm = "SLURM_JOB_ID" in environ and "SLURM_STEP_NODELIST" in environ
+    num = settings.num_processes
+    if num is None:
+        num = _env_int(environ, "JAX_NUM_PROCESSES")
+    if num is None and slurm:
+        num = _env_int(environ, "SLURM_NTASKS")
+    if num is None or num == 1:
+        return None
+    pid = settings.process_id
+    if pid is None:
+        pid = _env_int(environ, "JAX_PROCESS_ID")
+    if pid is None and slurm:
+        pid = _env_int(environ, "SLURM_PROCID")
+    address = settings.coordinator_address or environ.get("JAX_COORDINATOR_ADDRESS")
+    if not address and slurm:
+        port = environ.get("JAX_COORDINATOR_PORT") or str(
+            61440 + int(environ["SLURM_JOB_ID"]) % 4096)
+        address = f"{first_slurm_host(environ['SLURM_STEP_NODELIST'])}:{port}"
+    missing = [name for name, value in (("distributed.process_id (or JAX_PROCESS_ID)", pid),
+                                        ("distributed.coordinator_address (or "
+                                         "JAX_COORDINATOR_ADDRESS)", address)) if value is None]
+    if missing:
+        raise LaunchError(f"this process belongs to a {num}-process job, but {' and '.join(missing)} "
+                          "is not set and no SLURM step was found; set it for every process "
+                          "(process ids 0..num_processes-1, the same host:port everywhere), or "
+                          "launch with srun.")
+    if not 0 <= pid < num:
+        raise LaunchError(f"process id {pid} is outside 0..{num - 1} for a {num}-process job; "
+                          "give each process a distinct id below distributed.num_processes.")
+    if ":" not in address:
+        raise LaunchError(f"distributed.coordinator_address={address!r} needs a port, e.g. "
+                          f"{address}:61000.")
+    local = settings.local_device_ids
+    tasks_here = _slurm_tasks_per_node(environ) if slurm else None
+    if local is None and slurm and tasks_here and tasks_here > 1:
+        local = (_env_int(environ, "SLURM_LOCALID") or 0,)  # one process per accelerator
+    return Launch(address, num, pid, tuple(local) if local is not None else None)
+
+
+def initialize(config: Config, environ=os.environ) -> Launch | None:
+    """Join the job described by `config` and the environment; a no-op for one process."""
+    launch = resolve_launch(config.distributed, environ)
+    if launch is None or jax.distributed.is_initialized():
+        return launch
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU devices only
+    settings = config.distributed
+    jax.distributed.initialize(
+        coordinator_address=launch.coordinator_address, num_processes=launch.num_processes,
+        process_id=launch.process_id,
+        local_device_ids=list(launch.local_device_ids) if launch.local_device_ids else None,
+        cluster_detection_method="deactivate",
+        initialization_timeout=settings.init_timeout_s,
+        heartbeat_timeout_seconds=settings.heartbeat_timeout_s)
+    return launch
+
+
+
+@contextlib.contextmanager
+def exits_when_a_peer_fails(launch: Launch | None):
+    """In a multi-process job, turn a failed collective into one readable line and exit 3 at
+    once (a dead peer cannot join the orderly shutdown, so waiting for it would only hang)."""
+    try:
+        yield
+    except jax.errors.JaxRuntimeError as err:
+        if launch is None:
+            raise
+        first_line = str(err).strip().splitlines()[0][:300]
+        print(f"error: process {launch.process_id} of {launch.num_processes} stopped because a "
+              f"step could not exchange data with the other processes ({first_line}). Another "
+              "process most likely died: its log has the cause. Fix it and relaunch the same "
+              "command; training resumes from the newest checkpoint.", file=sys.stderr,
+              flush=True)
+        os._exit(3)
