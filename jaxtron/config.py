@@ -135,6 +135,8 @@ class TrainConfig:
                      ("auto", "never"))
     on_nan: str = _f("stop", "a non-finite loss or gradient: stop (the last checkpoint stays "
                      "intact) or skip that update", ("stop", "skip"))
+    profile_steps: tuple[int, ...] | None = _f(
+        None, "[first, last]: write a JAX profiler trace of these steps to <run_dir>/profile")
     init_from: str | None = _f(None, "parameters-only checkpoint (python -m jaxtron.export or "
                                "jaxtron.convert) to start training from")
 
@@ -410,6 +412,10 @@ def validate(c: Config) -> None:
            f"optim.min_lr_ratio={o.min_lr_ratio} must lie in [0, 1].")
     _check(o.warmup_steps >= 0, f"optim.warmup_steps={o.warmup_steps} must be >= 0.")
     _check(o.lr > 0, f"optim.lr={o.lr} must be positive.")
+    _check(t.profile_steps is None or (len(t.profile_steps) == 2
+                                       and 1 <= t.profile_steps[0] <= t.profile_steps[1]),
+           f"train.profile_steps={list(t.profile_steps or [])} must be [first, last] with "
+           "1 <= first <= last, e.g. [10, 12].")
     _check(c.checkpoint.every >= 0, f"checkpoint.every={c.checkpoint.every} must be >= 0.")
     _check(c.checkpoint.keep >= 1, f"checkpoint.keep={c.checkpoint.keep} must be >= 1.")
     mesh = c.mesh

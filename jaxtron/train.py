@@ -27,6 +27,7 @@ from jaxtron import config as config_lib
 from jaxtron import distributed
 from jaxtron.errors import JaxtronError, exits_on_user_error
 from jaxtron.preemption import PreemptionGuard
+from jaxtron.profiling import StepProfiler, plot_loss_curve
 from jaxtron.flops import peak_flops, training_flops_per_token
 from jaxtron.sharding.mesh import describe_mesh
 
@@ -142,7 +143,7 @@ def run(config: config_lib.Config) -> dict:
             print(f"resumed from {resumed_from} at step {start}", flush=True)
     if start >= c.train.steps:
         if is_main:
-                print(f"nothing to do: the checkpoint is at step {start} >= train.steps",
+            print(f"nothing to do: the checkpoint is at step {start} >= train.steps",
                   flush=True)
         return {"steps": start, "run_dir": str(run_dir)}
 
@@ -169,9 +170,12 @@ def run(config: config_lib.Config) -> dict:
         record = _report(*pending, log, clock, flops_per_step, tokens_per_step, peak)
         _check_finite(record, c, checkpoints)
         return record
-    with PreemptionGuard() as guard, _finishing(checkpoints):
+    profiler = StepProfiler(run_dir, c.train.profile_steps, enabled=is_main)
+    with PreemptionGuard() as guard, _finishing(checkpoints, profiler):
         for step in range(start + 1, c.train.steps + 1):
+            profiler.before(step)
             state, metrics = compiled(state, batch)
+            profiler.after(step, metrics)
             log.advance()
             data_state = batches.get_state()  # the stream position after this step's batch
             if step < c.train.steps:
@@ -197,6 +201,8 @@ def run(config: config_lib.Config) -> dict:
         if step == c.train.steps and c.checkpoint.every and step % c.checkpoint.every:
             save(step, data_state)
     log.close()
+    if is_main:
+        plot_loss_curve(run_dir)
     if guard.requested and is_main:
         print(f"preempted: saved step {step} to {checkpoints.directory / str(step)}; run the "
               "same command again to resume", flush=True)
@@ -213,11 +219,13 @@ def run(config: config_lib.Config) -> dict:
 
 
 @contextlib.contextmanager
-def _finishing(checkpoints):
-    """Let pending asynchronous saves complete, whether the loop ends or raises."""
+def _finishing(checkpoints, profiler):
+    """Let pending asynchronous saves complete and close an open trace, whether the loop ends
+    or raises."""
     try:
         yield
     finally:
+        profiler.stop()
         checkpoints.wait()
         checkpoints.close()
 

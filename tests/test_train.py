@@ -71,7 +71,8 @@ def test_cli_trains_tiny_config_and_writes_metrics(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "jaxtron.train", "--config", "configs/tiny.yaml",
          "train.steps=60", "train.log_every=10", "train.eval_every=30",
-         f"train.run_dir={run_dir}", "data.builtin_max_bytes=400000", "train.tensorboard=true"],
+         f"train.run_dir={run_dir}", "data.builtin_max_bytes=400000", "train.tensorboard=true",
+         "train.profile_steps=[40,41]"],
         capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -85,6 +86,8 @@ def test_cli_trains_tiny_config_and_writes_metrics(tmp_path):
     assert records[-1]["eval_loss"] < records[2]["eval_loss"]
     assert "done: 60 steps" in result.stdout
     assert "steps: 60" in (run_dir / "config.yaml").read_text()
+    assert (run_dir / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert list((run_dir / "profile").rglob("*.xplane.pb"))  # the trace of steps 40-41
     scalars = read_event_scalars(run_dir / "tensorboard")
     assert scalars["train/loss"] == [(r["step"], pytest.approx(r["loss"])) for r in records]
     assert [s for s, _ in scalars["eval/loss"]] == [30, 60]
