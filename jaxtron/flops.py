@@ -68,3 +68,21 @@ def peak_flops(devices) -> tuple[float, str]:
         if name.lower() in kind.lower():
             return flops * len(devices), f"{name} datasheet bf16 x {len(devices)}"
     return float("nan"), f"unknown accelerator {kind!r}"
+
+
+def recomputes_block_forward(config) -> bool:
+    """Whether the backward runs every block's forward again: `model.remat: full`, or a
+    pipeline, whose backward re-runs each stage from its stored input."""
+    return config.model.remat == "full" or config.mesh.stage > 1
+
+
+def hardware_flops_per_token(config) -> float:
+    """Model FLOPs plus the matmul FLOPs that activation recompute repeats (HFU's numerator).
+    `save_dots` keeps the matmul outputs, so it repeats only elementwise work."""
+    m, seq_len, moe = config.model, config.data.seq_len, config.moe
+    model = training_flops_per_token(m, seq_len, moe)
+    if not recomputes_block_forward(config):
+        return model
+    blocks = matmul_params(m, moe) - m.d_model * m.vocab_size
+    attention = 2 * m.num_layers * 2 * m.num_heads * m.resolved_head_dim * (seq_len + 1) / 2
+    return model + 2 * blocks + attention

@@ -1,9 +1,11 @@
-"""The attention benchmark's CPU smoke run: `python -m jaxtron.kernels.bench` end to end."""
+"""Benchmarks: the attention kernels (`jaxtron.kernels.bench`) and the training step (`jaxtron.bench`)."""
 
 import json
 import os
 import subprocess
 import sys
+
+import pytest
 
 from jaxtron.kernels.bench import MODES, attention_flops
 
@@ -31,3 +33,61 @@ def test_cpu_smoke_run_prints_a_table_and_a_json_line():
     cells = {(r["seq_len"], r["mode"], r["impl"]): r for r in report["results"]}
     assert set(cells) == {(n, m, i) for n in (128, 256) for m in MODES for i in ("xla", "pallas")}
     assert all(r["tflops"] > 0 and r["ms"] > 0 for r in cells.values()), cells
+
+
+def test_training_benchmark_reports_every_field_from_the_shared_flops_formula():
+    from jaxtron import bench
+    from jaxtron.config import load
+    from jaxtron.flops import hardware_flops_per_token, training_flops_per_token
+
+    overrides = ["model.num_layers=2", "model.d_model=64", "model.mlp_dim=128",
+                 "data.seq_len=32", "train.batch_size=8", "model.remat=full"]
+    command = [sys.executable, "-m", "jaxtron.bench", "--config", "configs/tiny.yaml",
+               *overrides, "--warmup", "1", "--steps", "2", "--repeats", "1", "--json"]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert set(bench.FIELDS) <= report.keys()
+    config = load("configs/tiny.yaml", overrides)
+    assert report["flops_per_token"] == training_flops_per_token(config.model, 32, config.moe)
+    assert report["hardware_flops_per_token"] == hardware_flops_per_token(config)
+    assert 0 < report["mfu"] < report["hfu"] < 1  # full remat repeats each block's forward
+    assert report["hfu"] / report["mfu"] == pytest.approx(
+        hardware_flops_per_token(config) / training_flops_per_token(config.model, 32))
+    assert report["tokens_per_s"] > 0 and report["overhead_ratio"] > 0
+    assert report["temp_bytes_per_device"] > 0 and report["devices"] == 8
+    assert "jaxtron/plain step time" in result.stdout
+
+
+def test_plain_reference_model_gives_jaxtrons_loss_with_the_same_weights():
+    # The overhead baseline must be the same model: independent code, same numbers.
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from jaxtron import bench, plain_llama
+    from jaxtron.config import load
+    from jaxtron.trainer import Trainer
+
+    config = load("configs/tiny.yaml", ["model.num_layers=2", "model.d_model=64",
+                                        "model.mlp_dim=128", "data.seq_len=32",
+                                        "train.batch_size=4", "mesh.data=1"])
+    trainer = Trainer(config, jax.devices()[:1])
+    state = trainer.init_state()
+    ours = {"/".join(path): np.asarray(v.get_value())
+            for path, v in nnx.to_flat_state(state.params)}
+    n, d = config.model.num_layers, config.model.d_model
+    layers = {"attn_norm": "attn_norm/scale", "mlp_norm": "mlp_norm/scale", "wk": "attn/wk",
+              "wv": "attn/wv", "wq": "attn/wq", "wo": "attn/wo", "gate": "mlp/w_gate",
+              "up": "mlp/w_up", "down": "mlp/w_down"}
+    params = {"embed": ours["embedder/embed"], "final_norm": ours["head/final_norm/scale"],
+              "head": ours["head/lm_head"],
+              "layers": {k: ours[f"blocks/{v}"] for k, v in layers.items()}}
+    for name in ("wq", "wk", "wv"):
+        params["layers"][name] = params["layers"][name].reshape(n, d, -1)
+    params["layers"]["wo"] = params["layers"]["wo"].reshape(n, -1, d)
+    tokens = bench.random_tokens(config)
+    expected = float(trainer.eval_loss(state, trainer.put_batch({"tokens": tokens})))
+    got = float(plain_llama.loss_fn(params, tokens, config))
+    assert got == pytest.approx(expected, rel=1e-5)

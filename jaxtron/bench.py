@@ -1,0 +1,171 @@
+"""Training-step benchmark: tokens/s, TFLOP/s per device, MFU and HFU, compile time, memory.
+
+    python -m jaxtron.bench --config configs/tiny.yaml
+    python -m jaxtron.bench --config configs/llama3-8b.yaml model.num_layers=4 mesh.tensor=1 --json
+
+The step is the one `jaxtron.train` runs (same Trainer, same jit), fed random tokens so no data
+is read. After `--warmup` steps, `--repeats` windows of `--steps` back-to-back steps are timed,
+each closed by one `block_until_ready`, and the median window gives the step time.
+
+- MFU: model FLOPs (`jaxtron.flops`, the formula training reports) / step time / peak.
+- HFU: the same plus the FLOPs that activation recompute repeats (`model.remat: full` runs every
+  block's forward twice).
+- Peak: datasheet bf16 numbers for known accelerators; on CPU, an fp32 matmul measured in this
+  run on the whole machine (simulated devices share its cores).
+- Overhead: on one device, the jaxtron step against `jaxtron.plain_llama`, the same model written
+  as a minimal plain-JAX step; their ratio is what the framework costs (Llama models only).
+
+`--json` prints one JSON object with every number as the last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+
+import jax
+import numpy as np
+
+from jaxtron import config as config_lib
+from jaxtron.errors import exits_on_user_error
+from jaxtron.flops import hardware_flops_per_token, peak_flops, training_flops_per_token
+from jaxtron.sharding.mesh import describe_mesh
+from jaxtron.sharding.report import memory_report
+
+FIELDS = ("tokens_per_s", "step_s", "model_tflops_per_device", "mfu", "hfu", "compile_s",
+          "params_bytes_per_device", "optimizer_bytes_per_device", "temp_bytes_per_device",
+          "peak_flops", "peak_source", "devices", "mesh", "flops_per_token",
+          "hardware_flops_per_token", "plain_tokens_per_s", "jaxtron_one_device_tokens_per_s",
+          "overhead_ratio")
+
+
+def random_tokens(config: config_lib.Config, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    shape = (config.train.batch_size, config.data.seq_len + 1)
+    return rng.integers(0, config.model.vocab_size, shape, dtype=np.int32)
+
+
+def time_steps(step, state, batch, warmup: int, steps: int, repeats: int):
+    """Median seconds per step over `repeats` windows; returns (seconds, final state)."""
+    for _ in range(warmup):
+        state, out = step(state, batch)
+    jax.block_until_ready(state)
+    windows = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(steps):
+            state, out = step(state, batch)
+        jax.block_until_ready((state, out))
+        windows.append((time.perf_counter() - start) / steps)
+    return statistics.median(windows), state
+
+
+def one_device(config: config_lib.Config) -> config_lib.Config:
+    mesh = {f.name: 1 for f in dataclasses.fields(config.mesh)
+            if f.name not in ("sequence_parallel",)}
+    return dataclasses.replace(config, mesh=dataclasses.replace(config.mesh, **mesh),
+                               pipeline=config_lib.PipelineConfig())
+
+
+def bench_jaxtron(config, devices, warmup, steps, repeats) -> dict:
+    from jaxtron.trainer import Trainer
+
+    trainer = Trainer(config, devices)
+    state = trainer.init_state()
+    batch = trainer.put_batch({"tokens": random_tokens(config)})
+    start = time.perf_counter()
+    compiled = trainer.compile_step(state, batch)
+    compile_s = time.perf_counter() - start
+    memory = memory_report(trainer.abstract_state(), compiled)
+    step_s, _ = time_steps(compiled, state, batch, warmup, steps, repeats)
+    return {"step_s": step_s, "compile_s": compile_s, "memory": memory,
+            "mesh": describe_mesh(trainer.mesh)}
+
+
+def bench_plain(config, device, warmup, steps, repeats) -> float:
+    from jaxtron import plain_llama
+
+    init_state, step = plain_llama.make_step(config)
+    with jax.default_device(device):
+        state = init_state()
+        tokens = jax.device_put(random_tokens(config), device)
+        step_s, _ = time_steps(step, state, tokens, warmup, steps, repeats)
+    return step_s
+
+
+def run(config: config_lib.Config, warmup: int = 3, steps: int = 5, repeats: int = 3,
+        reference: bool = True) -> dict:
+    devices = jax.devices()
+    tokens = config.train.batch_size * config.data.seq_len
+    flops = training_flops_per_token(config.model, config.data.seq_len, config.moe)
+    hw_flops = hardware_flops_per_token(config)
+    main = bench_jaxtron(config, devices, warmup, steps, repeats)
+    peak, source = peak_flops(devices)
+    step_s = main["step_s"]
+    report = {
+        "tokens_per_s": tokens / step_s, "step_s": step_s,
+        "model_tflops_per_device": flops * tokens / step_s / len(devices) / 1e12,
+        "mfu": flops * tokens / step_s / peak, "hfu": hw_flops * tokens / step_s / peak,
+        "compile_s": main["compile_s"],
+        "params_bytes_per_device": main["memory"]["params_bytes"],
+        "optimizer_bytes_per_device": main["memory"]["optimizer_bytes"],
+        "temp_bytes_per_device": main["memory"]["temp_bytes"],
+        "peak_flops": peak, "peak_source": source, "devices": len(devices),
+        "mesh": main["mesh"], "flops_per_token": flops, "hardware_flops_per_token": hw_flops,
+        "plain_tokens_per_s": None, "jaxtron_one_device_tokens_per_s": None,
+        "overhead_ratio": None,
+    }
+    if reference and config.model.type == "llama" and not config.moe.enabled:
+        single = one_device(config)
+        ours = bench_jaxtron(single, devices[:1], warmup, steps, repeats)["step_s"]
+        plain = bench_plain(single, devices[0], warmup, steps, repeats)
+        report.update(plain_tokens_per_s=tokens / plain,
+                      jaxtron_one_device_tokens_per_s=tokens / ours, overhead_ratio=ours / plain)
+    return report
+
+
+def format_report(r: dict) -> str:
+    mib = 2 ** 20
+    lines = [f"mesh {r['mesh']}; peak {r['peak_flops'] / 1e12:.3f} TFLOP/s ({r['peak_source']})",
+             f"step {1e3 * r['step_s']:.1f} ms | {r['tokens_per_s']:,.0f} tok/s | "
+             f"{r['model_tflops_per_device']:.4f} TFLOP/s per device | MFU "
+             f"{100 * r['mfu']:.2f}% | HFU {100 * r['hfu']:.2f}% | compile {r['compile_s']:.1f} s",
+             f"per device: parameters {r['params_bytes_per_device'] / mib:.2f} MiB, optimizer "
+             f"{r['optimizer_bytes_per_device'] / mib:.2f} MiB, temporaries "
+             f"{r['temp_bytes_per_device'] / mib:.2f} MiB"]
+    if r["overhead_ratio"] is not None:
+        lines.append(f"one device: jaxtron {r['jaxtron_one_device_tokens_per_s']:,.0f} tok/s, "
+                     f"plain JAX {r['plain_tokens_per_s']:,.0f} tok/s, jaxtron/plain step time "
+                     f"{r['overhead_ratio']:.3f}")
+    else:
+        lines.append("one device: no plain-JAX reference for this model (Llama dense only)")
+    return "\n".join(lines)
+
+
+@exits_on_user_error
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m jaxtron.bench",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", required=True, help="YAML config, e.g. configs/tiny.yaml")
+    parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=5, help="steps per timed window")
+    parser.add_argument("--repeats", type=int, default=3, help="timed windows (median)")
+    parser.add_argument("--no-reference", action="store_true",
+                        help="skip the one-device plain-JAX comparison")
+    parser.add_argument("--json", action="store_true", help="last line: one JSON object")
+    args = parser.parse_args(argv)
+    config = config_lib.load(args.config, args.overrides)
+    report = run(config, args.warmup, args.steps, args.repeats, not args.no_reference)
+    print(format_report(report), flush=True)
+    if args.json:
+        print(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
