@@ -252,7 +252,7 @@ def _build(cls, raw: dict, prefix: str):
             close = difflib.get_close_matches(str(key), fields, n=1)
             hint = f" Did you mean {prefix}{close[0]}?" if close else ""
             raise ConfigError(f"unknown config key {path}.{hint} Valid keys here: "
-                              f"{', '.join(sorted(fields))}.")
+                              f"{', '.join(sorted(fields))}; fix the spelling or remove the key.")
         f = fields[key]
         if dataclasses.is_dataclass(f.default_factory if f.default_factory is not
                                     dataclasses.MISSING else None):
@@ -273,7 +273,8 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
     for part in parts[:-1]:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
-            raise ConfigError(f"override {dotted}: {part} is a value, not a section.")
+            raise ConfigError(f"override {dotted}: {part} is a value, not a section; write the "
+                              "full dotted key, e.g. model.d_model=256.")
     node[parts[-1]] = value
 
 
@@ -425,7 +426,8 @@ def validate(c: Config) -> None:
                f"mesh.{name}={value} must be a positive degree or -1 (= the devices left over).")
     _check(sum(getattr(mesh, n) == -1 for n in ("data", "fsdp", "tensor", "sequence", "expert",
                                                  "stage")) <= 1,
-           "only one mesh degree may be -1 (= the rest); give the others explicit values.")
+           "only one of mesh.data, mesh.fsdp, mesh.tensor, mesh.sequence, mesh.expert, mesh.stage may "
+           "be -1 (= the rest); give the others explicit values.")
     _validate_moe(c)
     _validate_pipeline(c)
     dist = c.distributed

@@ -74,18 +74,19 @@ def decode_step(model, cache: dict, tokens_Bx1, position: int):
 def _check(model, prompt: list[int], max_new_tokens: int, temperature: float, top_k) -> None:
     cfg = model.cfg
     if not prompt:
-        raise ConfigError("generate needs a prompt of at least one token id.")
+        raise ConfigError("the prompt (--prompt or --prompt-ids) is empty; give at least one "
+                          "token.")
     if max_new_tokens < 0:
-        raise ConfigError(f"max_new_tokens={max_new_tokens} must be >= 0.")
+        raise ConfigError(f"--max-new-tokens={max_new_tokens} must be >= 0.")
     if temperature < 0:
-        raise ConfigError(f"temperature={temperature} must be >= 0 (0 = greedy).")
+        raise ConfigError(f"--temperature={temperature} must be >= 0 (0 = greedy).")
     if top_k is not None and not 1 <= top_k <= cfg.vocab_size:
         raise ConfigError(f"top_k={top_k} must lie in 1..model.vocab_size={cfg.vocab_size} "
                           "(or be None for no cut).")
     bad = [t for t in prompt if not 0 <= t < cfg.vocab_size]
     if bad:
-        raise ConfigError(f"prompt token ids {bad[:5]} lie outside the vocabulary "
-                          f"0..{cfg.vocab_size - 1}.")
+        raise ConfigError(f"--prompt-ids {bad[:5]} lie outside the vocabulary "
+                          f"0..{cfg.vocab_size - 1}; use ids the model's tokenizer produces.")
     fed = len(prompt) + max_new_tokens - 1  # the last token drawn is never fed back
     if fed > cfg.max_seq_len:
         raise ConfigError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) - 1 = "

@@ -92,7 +92,8 @@ def _check_exportable(config: Config) -> None:
     m, moe = config.model, config.moe
     if m.type != "llama":
         raise ConfigError(f"model.type={m.type} cannot be exported: only llama maps onto "
-                          "LlamaForCausalLM / MixtralForCausalLM.")
+                          "LlamaForCausalLM / MixtralForCausalLM; export a llama model, or use "
+                          "--format orbax.")
     if moe.enabled:
         for ok, field, why in ((moe.every == 1, f"moe.every={moe.every}",
                                 "Mixtral has an MoE block in every layer; use moe.every=1"),
@@ -102,7 +103,8 @@ def _check_exportable(config: Config) -> None:
                                 "Mixtral renormalises the top-k weights; use "
                                 "moe.router=topk_then_softmax")):
             if not ok:
-                raise ConfigError(f"{field} cannot be exported as {MIXTRAL}: {why}.")
+                raise ConfigError(f"{field} cannot be exported as {MIXTRAL}: {why}; change {field} "
+                                  "or use --format orbax.")
 
 
 def _dims(config: Config) -> dict:
@@ -130,7 +132,8 @@ def to_hf(config: Config, params: dict) -> tuple[dict, dict[str, np.ndarray]]:
         array = np.asarray(node)
         if array.shape != full_shape:
             raise DataError(f"parameter {'/'.join(path)} has shape {array.shape}; the config "
-                            f"implies {full_shape}.")
+                            f"implies {full_shape}; export with the config the parameters were "
+                            "trained with.")
         w = array[index]
         if input_dims:
             w = w.reshape(math.prod(w.shape[:input_dims]), -1).T
@@ -162,7 +165,8 @@ def _read_config(hf: dict) -> tuple[str, dict]:
     arch = archs[0] if archs else {v: k for k, v in MODEL_TYPES.items()}.get(hf.get("model_type"))
     if arch not in MODEL_TYPES:
         raise ConfigError(f"unsupported architecture {arch or archs!r} (model_type "
-                          f"{hf.get('model_type')!r}): jaxtron converts {LLAMA} and {MIXTRAL}.")
+                          f"{hf.get('model_type')!r}) in config.json: jaxtron converts {LLAMA} "
+                          f"and {MIXTRAL}; pick a model of one of those architectures.")
     required = ["hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "vocab_size"] + (["num_local_experts", "num_experts_per_tok"]
                                  if arch == MIXTRAL else [])
@@ -178,12 +182,13 @@ def _read_config(hf: dict) -> tuple[str, dict]:
                     "only plain RoPE is implemented")]
     for bad, field, why in unsupported:
         if bad:
-            raise ConfigError(f"config.json sets {field}, which jaxtron cannot convert: {why}.")
+            raise ConfigError(f"config.json sets {field}, which jaxtron cannot convert: {why}; "
+                              "convert a model without that setting.")
     h = hf["num_attention_heads"]
     g = hf.get("num_key_value_heads") or h
     if h % g:
         raise ConfigError(f"config.json: num_attention_heads={h} is not a multiple of "
-                          f"num_key_value_heads={g}.")
+                          f"num_key_value_heads={g}; the file is inconsistent: fix config.json.")
     dims = {"N": hf["num_hidden_layers"], "D": hf["hidden_size"], "H": h, "G": g,
             "K": hf.get("head_dim") or hf["hidden_size"] // h, "F": hf["intermediate_size"],
             "V": hf["vocab_size"], "E": hf["num_local_experts"] if arch == MIXTRAL else 0}
@@ -201,7 +206,8 @@ def _check_names(arch: str, expected: set, state_dict: dict) -> None:
     if unexpected:
         raise DataError(f"unexpected tensors {', '.join(unexpected[:3])}"
                         f"{' ...' if len(unexpected) > 3 else ''}: {arch} as jaxtron builds it "
-                        "has no such parameters.")
+                        "has no such parameters; check that config.json matches the weights "
+                        "(model size, tied embeddings).")
 
 
 def _overrides(arch: str, dims: dict, hf: dict, dtype: str) -> tuple[dict, dict]:
@@ -244,14 +250,16 @@ def from_hf(hf_config: dict, state_dict: dict) -> tuple[dict, dict, dict]:
         w = np.asarray(state_dict[name])
         want = _hf_shape(full_shape, index, input_dims)
         if w.shape != want:
-            raise DataError(f"tensor {name} has shape {w.shape}; config.json implies {want}.")
+            raise DataError(f"tensor {name} has shape {w.shape}; config.json implies {want}: "
+                            "fix config.json or the weights so they agree.")
         if path not in arrays:
             arrays[path] = np.empty(full_shape, w.dtype)
         arrays[path][index] = w.T.reshape(full_shape[len(index):]) if input_dims else w
     dtype = str(arrays[("embedder", "embed")].dtype)
     if dtype not in COMPUTE_DTYPES:
-        raise DataError(f"tensors are {dtype}; jaxtron parameters are one of "
-                        f"{', '.join(COMPUTE_DTYPES)}.")
+        raise DataError(f"the safetensors file holds {dtype} tensors; jaxtron parameters are "
+                        f"one of {', '.join(COMPUTE_DTYPES)}: convert the weights to one of "
+                        "those first.")
     params = {}
     for path, array in arrays.items():
         node = params
@@ -303,22 +311,25 @@ def load_hf_dir(hf_dir) -> tuple[dict, dict[str, np.ndarray]]:
 
     src = Path(hf_dir)
     if not (src / "config.json").is_file():
-        raise DataError(f"{src} has no config.json: not a Hugging Face model directory.")
+        raise DataError(f"{src} has no config.json: not a Hugging Face model directory; pass "
+                        "--from-hf the folder that holds config.json and the safetensors.")
     hf_config = json.loads((src / "config.json").read_text())
     if (src / SINGLE_FILE).is_file():
         return hf_config, load_file(str(src / SINGLE_FILE))
     if not (src / INDEX_FILE).is_file():
         found = ", ".join(sorted(os.listdir(src)))
         raise DataError(f"{src} has neither {SINGLE_FILE} nor {INDEX_FILE} (found: {found}); "
-                        "only safetensors weights are read.")
+                        "only safetensors weights are read: save the model with "
+                        "safe_serialization=True.")
     weight_map = json.loads((src / INDEX_FILE).read_text())["weight_map"]
     tensors = {}
     for filename in sorted(set(weight_map.values())):
         if not (src / filename).is_file():
-            raise DataError(f"{INDEX_FILE} lists {filename}, which is missing from {src}.")
+            raise DataError(f"{INDEX_FILE} lists {filename}, which is missing from {src}; "
+                            "download the complete model folder.")
         tensors.update(load_file(str(src / filename)))
     absent = sorted(set(weight_map) - tensors.keys())
     if absent:
         raise DataError(f"{INDEX_FILE} maps {absent[0]} to {weight_map[absent[0]]}, which does "
-                        "not hold it.")
+                        "not hold it; download the model folder again.")
     return hf_config, tensors

@@ -45,7 +45,7 @@ def test_shipped_configs_load():
     (["model.remat=sometimes"], "model.remat='sometimes' is not supported; choose one of none"),
     (["model.dtype=float8"], "model.dtype='float8' is not supported"),
     (["data.seq_len=4096"], "data.seq_len=4096 exceeds model.max_seq_len=2048"),
-    (["mesh.data=-1", "mesh.fsdp=-1"], "only one mesh degree may be -1"),
+    (["mesh.data=-1", "mesh.fsdp=-1"], "mesh.stage may be -1 (= the rest)"),
     (["mesh.stage=2", "pipeline.virtual_stages=2"], "needs pipeline.schedule=interleaved"),
     (["mesh.stage=2", "pipeline.schedule=interleaved", "pipeline.virtual_stages=2",
       "pipeline.microbatches=3"], "to be a multiple of mesh.stage (2)"),
@@ -76,3 +76,20 @@ def test_cli_print_config():
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "steps: 3" in result.stdout
+
+
+def test_help_lists_every_config_field_with_type_default_and_meaning():
+    result = subprocess.run([sys.executable, "-m", "jaxtron.train", "--help"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0
+    rows = config_lib.field_reference()
+    keys = {key for key, *_ in rows}
+    assert {"model.d_model", "mesh.tensor", "distributed.process_id", "train.profile_steps",
+            "checkpoint.every"} <= keys
+    leaves = {f"{section}.{name}" for section, fields in config_lib.to_dict(
+        config_lib.Config()).items() for name in fields}
+    assert keys == leaves  # one line for every field of the dataclass tree, nothing else
+    for key, type_name, default, meaning in rows:
+        line = next(x for x in result.stdout.splitlines() if x.split()[:1] == [key])
+        assert type_name in line and default in line and meaning.split()[0] in line, line
+        assert meaning, f"{key} has no help text"

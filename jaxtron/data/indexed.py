@@ -40,7 +40,8 @@ def write_indexed(prefix: str | Path, documents, *, vocab_size: int, tokenizer: 
             out.write(arr.tobytes())
             lengths.append(arr.size)
     if not lengths:
-        raise DataError(f"no documents with text were found for {prefix}; check the input path.")
+        raise DataError(f"no documents with text were found for {prefix}; point --input at a "
+                        "folder or file that holds non-empty text.")
     lengths_np = np.asarray(lengths, dtype=np.int32)
     pointers = np.zeros(len(lengths), dtype=np.int64)
     pointers[1:] = np.cumsum(lengths_np[:-1], dtype=np.int64) * np.dtype(dtype).itemsize

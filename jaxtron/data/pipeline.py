@@ -56,7 +56,8 @@ def open_dataset(config: Config) -> IndexedDataset:
         path = builtin_prefix(config.data.builtin_max_bytes)
     elif path.startswith("builtin:"):
         raise DataError(f"data.path={path} is not a built-in corpus; the only one is "
-                        f"{BUILTIN_STDLIB}.")
+                        f"{BUILTIN_STDLIB}; use it or give the prefix of a dataset written by "
+                        "python -m jaxtron.data.prepare.")
     dataset = IndexedDataset(path)
     if dataset.vocab_size > config.model.vocab_size:
         raise DataError(f"the dataset at data.path={config.data.path} uses {dataset.vocab_size} "

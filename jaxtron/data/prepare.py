@@ -25,7 +25,8 @@ def read_documents(path: Path, pattern: str, jsonl_key: str):
     if path.is_dir():
         files = sorted(p for p in path.rglob(pattern) if p.is_file())
         if not files:
-            raise DataError(f"--input {path} has no files matching --glob {pattern!r}.")
+            raise DataError(f"--input {path} has no files matching --glob {pattern!r}; pass a "
+                            "--glob that matches its text files, e.g. '*.txt'.")
         for file in files:
             yield file.read_text(encoding="utf-8", errors="replace")
     elif path.suffix == ".jsonl":

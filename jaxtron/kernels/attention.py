@@ -84,7 +84,8 @@ def _flash_on_mesh(q, k, v, mesh: Mesh, *, causal: bool, segment_ids):
     if kv_head_axes not in ((), head_axes):
         raise ConfigError(f"pallas attention needs kv heads split like query heads or not at "
                           f"all; the sharding rules split heads over {head_axes} and kv heads "
-                          f"over {kv_head_axes}.")
+                          f"over {kv_head_axes}; set model.attention_impl=xla, or choose "
+                          "mesh.tensor dividing model.num_kv_heads.")
     heads, kv_heads = q.shape[2], k.shape[2]
     local_heads = heads // math.prod(mesh.shape[a] for a in head_axes)
     group = heads // kv_heads  # query heads per kv head

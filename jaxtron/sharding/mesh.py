@@ -35,7 +35,7 @@ def resolve_degrees(mesh: MeshConfig, num_devices: int) -> dict[str, int]:
     total = math.prod(degrees.values())
     if total != num_devices:
         raise ConfigError(
-            f"mesh degrees {_describe(degrees)} multiply to {total}, but {num_devices} devices "
+            f"the mesh.* degrees {_describe(degrees)} multiply to {total}, but {num_devices} devices "
             f"are visible; make the product equal {num_devices} (set one degree to -1 to take "
             "the rest).")
     return degrees
