@@ -36,7 +36,7 @@ class Trainer:
         self.param_rules, self.activation_rules = param_rules(config), activation_rules(config)
         check_rules(self.param_rules)
         check_rules(self.activation_rules)
-        self._check_batch()
+        check_layout(config, dict(self.mesh.shape))
         self.tx, self.schedule = build_optimizer(config), learning_rate(config)
         abstract_model = nnx.eval_shape(self._new_model)
         self.graphdef, _ = nnx.split(abstract_model)
@@ -73,36 +73,6 @@ class Trainer:
             params=variable_shardings(abstract.params, self.param_rules, self.mesh),
             opt_state=variable_shardings(abstract.opt_state, optimizer_rules(self.config),
                                          self.mesh))
-
-    def _check_batch(self) -> None:
-        c = self.config
-        split = self.mesh.shape["data"] * self.mesh.shape["fsdp"] * self.mesh.shape["expert"]
-        parts = c.optim.grad_accum * (c.pipeline.microbatches if c.mesh.stage > 1 else 1)
-        micro = c.train.batch_size // parts
-        if micro % split:
-            raise ConfigError(
-                f"each microbatch of train.batch_size / (optim.grad_accum x "
-                f"pipeline.microbatches) = {micro} sequences must split evenly over mesh.data x "
-                f"mesh.fsdp x mesh.expert = {split} devices; make train.batch_size a multiple of "
-                f"{split * parts}.")
-        ring = 2 * self.mesh.shape["sequence"]
-        if c.data.seq_len % ring:
-            raise ConfigError(
-                f"data.seq_len={c.data.seq_len} must be a multiple of 2 x mesh.sequence = {ring}: "
-                "context parallelism cuts the sequence into two chunks per device.")
-        tensor = self.mesh.shape["tensor"]
-        if c.mesh.sequence_parallel and c.data.seq_len % (tensor * self.mesh.shape["sequence"]):
-            raise ConfigError(
-                f"data.seq_len={c.data.seq_len} must be divisible by mesh.tensor x mesh.sequence "
-                f"= {tensor * self.mesh.shape['sequence']} for mesh.sequence_parallel=true.")
-        for field, size in (("num_heads", c.model.num_heads), ("mlp_dim", c.model.mlp_dim),
-                            ("vocab_size", c.model.vocab_size)):
-            if size % tensor:
-                raise ConfigError(f"mesh.tensor={tensor} must divide model.{field}={size}; "
-                                  "choose a tensor degree that divides it.")
-        if c.model.d_model % self.mesh.shape["fsdp"]:
-            raise ConfigError(f"mesh.fsdp={self.mesh.shape['fsdp']} must divide "
-                              f"model.d_model={c.model.d_model}.")
 
     def _new_model(self) -> Transformer:
         return Transformer(self.config.model, rngs=nnx.Rngs(self.config.train.seed),
@@ -219,3 +189,34 @@ def _convert_layout(state: TrainState, convert) -> TrainState:
         lambda x: convert(x) if isinstance(x, nnx.State) and "blocks" in x else x,
         state.opt_state, is_leaf=lambda x: isinstance(x, nnx.State))
     return TrainState(step=state.step, params=convert(state.params), opt_state=opt_state)
+
+
+def check_layout(c: Config, degrees: dict[str, int]) -> None:
+    """Divisibility a mesh of `degrees` needs of the batch, sequence and model widths."""
+    split = degrees["data"] * degrees["fsdp"] * degrees["expert"]
+    parts = c.optim.grad_accum * (c.pipeline.microbatches if c.mesh.stage > 1 else 1)
+    micro = c.train.batch_size // parts
+    if micro % split:
+        raise ConfigError(
+            f"each microbatch of train.batch_size / (optim.grad_accum x "
+            f"pipeline.microbatches) = {micro} sequences must split evenly over mesh.data x "
+            f"mesh.fsdp x mesh.expert = {split} devices; make train.batch_size a multiple of "
+            f"{split * parts}.")
+    ring = 2 * degrees["sequence"]
+    if c.data.seq_len % ring:
+        raise ConfigError(
+            f"data.seq_len={c.data.seq_len} must be a multiple of 2 x mesh.sequence = {ring}: "
+            "context parallelism cuts the sequence into two chunks per device.")
+    tensor = degrees["tensor"]
+    if c.mesh.sequence_parallel and c.data.seq_len % (tensor * degrees["sequence"]):
+        raise ConfigError(
+            f"data.seq_len={c.data.seq_len} must be divisible by mesh.tensor x mesh.sequence "
+            f"= {tensor * degrees['sequence']} for mesh.sequence_parallel=true.")
+    for field, size in (("num_heads", c.model.num_heads), ("mlp_dim", c.model.mlp_dim),
+                        ("vocab_size", c.model.vocab_size)):
+        if size % tensor:
+            raise ConfigError(f"mesh.tensor={tensor} must divide model.{field}={size}; "
+                              "choose a tensor degree that divides it.")
+    if c.model.d_model % degrees["fsdp"]:
+        raise ConfigError(f"mesh.fsdp={degrees['fsdp']} must divide "
+                          f"model.d_model={c.model.d_model}.")

@@ -1,0 +1,137 @@
+"""Pick a parallel layout: predicted memory, communication and step time of every legal one.
+
+    python -m jaxtron.plan --config configs/llama3-70b.yaml --devices 256 --device-memory 80GiB \
+        --hardware h100
+    python -m jaxtron.plan --config configs/tiny.yaml --devices 8 --device-memory 1GiB \
+        --hardware cpu --apply runs/planned.yaml          # then: jaxtron.train --config that
+    python -m jaxtron.plan --config X --devices N --device-memory M \
+        --compare "mesh.tensor=8 mesh.stage=8 pipeline.microbatches=64"   # rank a given layout
+
+Prints the fastest layouts that fit (per-device memory by parameters, optimizer state,
+gradients, activations and logits; bytes sent per device per step by axis; the pipeline bubble;
+step time and MFU from a roofline). How each number is modelled: `jaxtron/planner/`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+
+from jaxtron import config as config_lib
+from jaxtron.errors import ConfigError, exits_on_user_error
+from jaxtron.planner.hardware import HARDWARE
+from jaxtron.planner.layout import Layout, apply
+from jaxtron.planner.memory import memory_budget_bytes
+from jaxtron.planner.search import position_of, rank
+
+LAYOUT_KEYS = {"mesh.data": "data", "mesh.fsdp": "fsdp", "mesh.tensor": "tensor",
+               "mesh.sequence": "sequence", "mesh.expert": "expert", "mesh.stage": "stage",
+               "mesh.sequence_parallel": "sequence_parallel", "optim.zero_stage": "zero_stage",
+               "model.remat": "remat", "pipeline.microbatches": "microbatches",
+               "optim.grad_accum": "grad_accum", "pipeline.schedule": "schedule",
+               "pipeline.virtual_stages": "virtual_stages"}
+
+
+def parse_layout(text: str, devices: int) -> dict:
+    """'mesh.tensor=8 mesh.stage=16 ...' -> the Layout fields it fixes; mesh degrees not given
+    are 1 except mesh.data, which takes the devices left over."""
+    fields = {}
+    for item in text.replace(",", " ").split():
+        key, value = config_lib.parse_override(item)
+        if key not in LAYOUT_KEYS:
+            raise ConfigError(f"--compare key {key} is not a layout field; use "
+                              f"{', '.join(LAYOUT_KEYS)}.")
+        fields[LAYOUT_KEYS[key]] = value
+    mesh = {axis: fields.get(axis, 1) for axis in ("fsdp", "tensor", "sequence", "expert",
+                                                    "stage")}
+    used = Layout(**mesh).devices
+    fields.setdefault("data", devices // used)
+    if used * fields["data"] != devices:
+        raise ConfigError(f"--compare degrees multiply to {used * fields['data']}, not --devices "
+                          f"{devices}; make them multiply to {devices}.")
+    return {**mesh, **fields}
+
+
+def size(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def format_row(index, candidate) -> str:
+    mem, cost = candidate.memory, candidate.cost
+    comm = ", ".join(f"{axis} {size(volume)}" for axis, volume in cost.comm_bytes.items()
+                     if volume > 0) or "none"
+    return (f"{index:>4}  {candidate.layout.describe():<52} {size(mem.total):>10} "
+            f"(params {size(mem.params)}, optimizer {size(mem.optimizer)}, grads "
+            f"{size(mem.gradients)}, activations {size(mem.activations)}, logits "
+            f"{size(mem.logits)})  bubble {cost.bubble:.1%}  step {cost.step_s:.4g} s  "
+            f"MFU {cost.mfu:.1%}  sent per device: {comm}")
+
+
+@exits_on_user_error
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m jaxtron.plan",
+                                     description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=__doc__.split("\n\n", 1)[1])
+    parser.add_argument("--config", required=True)
+    parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    parser.add_argument("--devices", type=int, required=True)
+    parser.add_argument("--device-memory", help="per-device budget, e.g. 80GiB (default: the "
+                        "hardware's memory)")
+    parser.add_argument("--hardware", default="h100", choices=sorted(HARDWARE))
+    parser.add_argument("--peak-tflops", type=float, help="override the peak bf16 TFLOP/s")
+    parser.add_argument("--intra-bw", type=float, help="override intra-node GB/s per device")
+    parser.add_argument("--inter-bw", type=float, help="override inter-node GB/s per device")
+    parser.add_argument("--node-size", type=int, help="override devices per node")
+    parser.add_argument("--efficiency", type=float, help="override achieved share of peak")
+    parser.add_argument("--platform", default=None, choices=("gpu", "cpu", "tpu"),
+                        help="attention kernel the run will use (cpu: XLA reference)")
+    parser.add_argument("--top", type=int, default=10)
+    parser.add_argument("--apply", help="write the best layout into this config file")
+    parser.add_argument("--compare", help="a given layout to rank, e.g. 'mesh.tensor=8 "
+                        "mesh.stage=16 pipeline.microbatches=128'")
+    args = parser.parse_args(argv)
+    config = config_lib.load(args.config, args.overrides)
+    if args.devices < 1:
+        raise ConfigError(f"--devices {args.devices} must be a positive device count.")
+    hardware = HARDWARE[args.hardware]
+    changes = {"peak_flops": args.peak_tflops and args.peak_tflops * 1e12,
+               "intra_bw": args.intra_bw and args.intra_bw * 1e9,
+               "inter_bw": args.inter_bw and args.inter_bw * 1e9,
+               "node_size": args.node_size, "efficiency": args.efficiency}
+    hardware = dataclasses.replace(hardware, **{k: v for k, v in changes.items() if v})
+    budget = (memory_budget_bytes(args.device_memory) if args.device_memory
+              else hardware.memory_bytes)
+    platform = args.platform or ("cpu" if hardware.name == "cpu" else "gpu")
+    best, considered, fitting = rank(config, args.devices, hardware, budget, args.top, platform)
+    print(f"{considered} layouts of {args.devices} x {hardware.name} considered, {fitting} fit "
+          f"in {size(budget)} per device; peak {hardware.peak_flops / 1e12:.0f} "
+          f"TFLOP/s x efficiency {hardware.efficiency}, links {hardware.intra_bw / 1e9:.0f} / "
+          f"{hardware.inter_bw / 1e9:.0f} GB/s inside / across nodes of {hardware.node_size}")
+    for i, candidate in enumerate(best, 1):
+        print(format_row(i, candidate))
+    if args.compare:
+        fixed = parse_layout(args.compare, args.devices)
+        position, mine = position_of(config, fixed, args.devices, hardware, budget, platform)
+        if mine is None:
+            print(f"given layout ({args.compare}): no variant fits {size(budget)} per device")
+        else:
+            print(f"given layout ({args.compare}), best variant ranks {position} of {fitting}:")
+            print(format_row(position, mine))
+    if not best:
+        raise ConfigError(f"no layout of {config.model.num_layers}-layer d_model "
+                          f"{config.model.d_model} fits {size(budget)} on "
+                          f"{args.devices} devices; raise --device-memory or --devices, lower "
+                          "train.batch_size, or set model.cross_entropy=chunked.")
+    if args.apply:
+        planned = apply(config, best[0].layout)
+        Path(args.apply).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.apply).write_text(config_lib.dump(planned))
+        print(f"wrote {args.apply}: python -m jaxtron.train --config {args.apply}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,33 @@
+"""Accelerators the planner knows: peak FLOP/s, memory and link bandwidths per device.
+
+Peaks are dense bf16 datasheet numbers; bandwidths are one direction per device: NVLink (or
+TPU ICI) inside a node, the network (InfiniBand / DCN) between nodes. `efficiency` is the share
+of peak that large transformer matmuls reach in practice; the roofline uses peak x efficiency.
+Every number can be overridden on the command line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    name: str
+    peak_flops: float
+    memory_bytes: int
+    intra_bw: float
+    inter_bw: float
+    node_size: int
+    efficiency: float = 0.7
+
+
+GiB = 2**30
+HARDWARE = {
+    "a100": Hardware("a100", 312e12, 80 * GiB, 300e9, 25e9, 8),
+    "h100": Hardware("h100", 989e12, 80 * GiB, 450e9, 50e9, 8),
+    "h200": Hardware("h200", 989e12, 141 * 10**9, 450e9, 50e9, 8),
+    "b200": Hardware("b200", 2250e12, 180 * 10**9, 900e9, 50e9, 8),
+    "tpu-v5p": Hardware("tpu-v5p", 459e12, 95 * 10**9, 600e9, 25e9, 8960),
+    "cpu": Hardware("cpu", 1e11, 16 * GiB, 10e9, 10e9, 1 << 20, efficiency=1.0),
+}

@@ -1,0 +1,76 @@
+"""A candidate layout: the config fields the planner chooses, and how to apply them."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxtron import config as config_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    data: int = 1
+    fsdp: int = 1
+    tensor: int = 1
+    sequence: int = 1
+    expert: int = 1
+    stage: int = 1
+    sequence_parallel: bool = False
+    zero_stage: int = 0
+    remat: str = "none"
+    microbatches: int = 1      # pipeline microbatches (stage > 1)
+    grad_accum: int = 1
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+
+    @property
+    def devices(self) -> int:
+        return self.data * self.fsdp * self.tensor * self.sequence * self.expert * self.stage
+
+    @property
+    def batch_split(self) -> int:
+        """Ways the batch is divided: the data, fsdp and expert axes."""
+        return self.data * self.fsdp * self.expert
+
+    def degrees(self) -> dict[str, int]:
+        return {"stage": self.stage, "data": self.data, "fsdp": self.fsdp,
+                "expert": self.expert, "sequence": self.sequence, "tensor": self.tensor}
+
+    def overrides(self) -> dict:
+        """Dotted config keys that select this layout."""
+        out = {f"mesh.{k}": v for k, v in self.degrees().items()}
+        out.update({"mesh.sequence_parallel": self.sequence_parallel,
+                    "optim.zero_stage": self.zero_stage, "model.remat": self.remat,
+                    "optim.grad_accum": self.grad_accum})
+        if self.stage > 1:
+            out.update({"pipeline.microbatches": self.microbatches,
+                        "pipeline.schedule": self.schedule,
+                        "pipeline.virtual_stages": self.virtual_stages})
+        return out
+
+    def describe(self) -> str:
+        parts = [f"{k}={v}" for k, v in self.degrees().items() if v > 1] or ["1 device"]
+        if self.sequence_parallel:
+            parts.append("sp")
+        if self.zero_stage:
+            parts.append(f"zero{self.zero_stage}")
+        if self.stage > 1:
+            sched = self.schedule + (f"/v{self.virtual_stages}" if self.virtual_stages > 1 else "")
+            parts.append(f"m={self.microbatches} {sched}")
+        if self.grad_accum > 1:
+            parts.append(f"accum={self.grad_accum}")
+        parts.append(f"remat={self.remat}")
+        return " ".join(parts)
+
+
+def apply(config: config_lib.Config, layout: Layout) -> config_lib.Config:
+    """`config` with `layout`'s fields, validated like any loaded config."""
+    raw = config_lib.to_dict(config)
+    for key, value in layout.overrides().items():
+        section, name = key.split(".")
+        raw[section][name] = value
+    for name in ("dcn_data", "dcn_fsdp", "dcn_stage"):
+        raw["mesh"][name] = 1
+    if layout.stage == 1:
+        raw["pipeline"] = config_lib.to_dict(config_lib.PipelineConfig())
+    return config_lib.from_dict(raw)

@@ -1,0 +1,176 @@
+"""Per-device memory of a layout, predicted without devices.
+
+Parameters and optimizer state are exact: every parameter's shape and logical axes come from
+`eval_shape` of the model, and the same rules table that shards a run (`sharding/rules.py`)
+divides each dimension by its mesh degrees. Gradients take the parameters' layout (ZeRO-2 adds
+the data axis). Activations follow Korthikanti et al. 2022 ("Reducing Activation Recomputation
+in Large Transformer Models", section 4) adapted to this model: per layer and token the block
+keeps, in the compute dtype,
+
+    2 D / r      both norms' inputs (r = tensor degree with sequence parallelism)
+    2 D          both norms' outputs, which XLA keeps all-gathered for the column-parallel matmuls
+    2 H K / t    the query and the attention output
+    2 G K / t'   keys and values (t' = 1 when the kv heads are replicated over tensor)
+    4 F / t      gate, its sigmoid, up and their product (gpt2: 2 F / t)
+
+and no dropout masks. Flash attention (pallas, cudnn) keeps no [L, L] scores; the XLA reference
+keeps fp32 scores, masked scores and probabilities (12 bytes per query-key pair and head).
+`remat: full` keeps only each block's input (D / r); `save_dots` keeps the matmul outputs. The
+backward of a block needs one block's worth of working memory on top (its gradients, or its
+recomputed activations). A pipeline rank keeps its stage input for each microbatch in flight
+and re-runs the stage from it in the backward, so it holds one stage's activations at a time.
+The loss adds fp32 logits and their gradient, [tokens, V / t], or one chunk of them with the
+chunked loss.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import numpy as np
+from flax import nnx
+
+from jaxtron.config import Config
+from jaxtron.planner.layout import Layout
+from jaxtron.sharding.rules import logical_names, optimizer_rules, param_rules
+
+
+@dataclasses.dataclass(frozen=True)
+class Memory:
+    params: int
+    optimizer: int
+    gradients: int
+    activations: int
+    logits: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.optimizer + self.gradients + self.activations + self.logits
+
+
+@functools.lru_cache(maxsize=8)
+def _parameter_shapes(model_key) -> list[tuple[tuple[int, ...], tuple, int]]:
+    """(shape, logical names, bytes per element) of every parameter of the model."""
+    from jaxtron.models import Transformer
+
+    model_config, moe_config = model_key
+    abstract = nnx.eval_shape(lambda: Transformer(model_config, rngs=nnx.Rngs(0), moe=moe_config))
+    out = []
+    for _, var in nnx.to_flat_state(nnx.state(abstract, nnx.Param)):
+        value = var.get_value()
+        out.append((tuple(value.shape), logical_names(var), np.dtype(value.dtype).itemsize))
+    return out
+
+
+def _sharded_elements(shape, names, rules, degrees, stage: int) -> float:
+    count = 1.0
+    for size, name in zip(shape, names):
+        if name == "layers" and stage > 1:
+            count *= math.ceil(size / stage)  # the stack is split over pipeline ranks
+            continue
+        split = math.prod(degrees[a] for a in rules.get(name, ()) if a in degrees)
+        count *= size / split if size % split == 0 else size  # kv heads replicate
+    return count
+
+
+def state_bytes(config: Config, layout: Layout) -> tuple[int, int, int]:
+    """(parameters, Adam moments, gradients) bytes on one device."""
+    c = _with_layout(config, layout)
+    degrees = layout.degrees()
+    prules, orules = param_rules(c), optimizer_rules(c)
+    grules = dict(orules) if layout.zero_stage >= 2 else prules
+    params = moments = grads = 0.0
+    for shape, names, itemsize in _parameter_shapes((config.model, config.moe)):
+        params += itemsize * _sharded_elements(shape, names, prules, degrees, layout.stage)
+        moments += 2 * 4 * _sharded_elements(shape, names, orules, degrees, layout.stage)
+        grads += itemsize * _sharded_elements(shape, names, grules, degrees, layout.stage)
+    if layout.grad_accum > 1:
+        grads *= 2  # the running sum and the microbatch's gradients
+    return int(params), int(moments), int(grads)
+
+
+def _with_layout(config: Config, layout: Layout) -> Config:
+    optim = dataclasses.replace(config.optim, zero_stage=layout.zero_stage)
+    mesh = dataclasses.replace(config.mesh, sequence_parallel=layout.sequence_parallel)
+    return dataclasses.replace(config, optim=optim, mesh=mesh)
+
+
+def _attention_impl(config: Config, platform: str) -> str:
+    impl = config.model.attention_impl
+    if impl == "auto":
+        return "cudnn" if platform == "gpu" else "xla"
+    return impl
+
+
+def layer_activation_bytes(config: Config, layout: Layout, tokens: int, policy: str,
+                           platform: str) -> float:
+    """Bytes one block keeps for the backward, for `tokens` tokens of one sequence shard."""
+    m = config.model
+    e = np.dtype(m.dtype).itemsize
+    t = layout.tensor
+    r = t if layout.sequence_parallel else 1
+    kv_split = t if m.kv_heads % t == 0 else 1
+    hk, gk = m.num_heads * m.resolved_head_dim, m.kv_heads * m.resolved_head_dim
+    mlp = (4 if m.type == "llama" else 2) * _mlp_width(config) / t
+    if policy == "full":
+        return e * tokens * m.d_model / r
+    dots = 2 * hk / t + 2 * gk / kv_split + 2 * _mlp_width(config) / t + 2 * m.d_model / r
+    full = 2 * m.d_model / r + 2 * m.d_model + 2 * hk / t + 2 * gk / kv_split + mlp
+    per_token = dots if policy == "save_dots" else full
+    scores = 0.0
+    if _attention_impl(config, platform) == "xla":
+        seq = config.data.seq_len
+        sequences = tokens / (seq / layout.sequence)
+        scores = sequences * (m.num_heads / t) * (seq / layout.sequence) * seq * (
+            4 if policy == "save_dots" else 12)
+    return e * tokens * per_token + scores
+
+
+def _mlp_width(config: Config) -> int:
+    moe = config.moe
+    if moe.enabled:  # per token: top_k routed experts (dropless) or the capacity slots
+        return (moe.top_k + moe.shared_experts) * (moe.expert_mlp_dim or config.model.mlp_dim)
+    return config.model.mlp_dim
+
+
+def microbatch_sequences(config: Config, layout: Layout) -> int:
+    return config.train.batch_size // (layout.batch_split * layout.grad_accum
+                                       * (layout.microbatches if layout.stage > 1 else 1))
+
+
+def predict(config: Config, layout: Layout, platform: str = "gpu") -> Memory:
+    """Per-device bytes of `config` run under `layout`."""
+    params, moments, grads = state_bytes(config, layout)
+    m = config.model
+    e = np.dtype(m.dtype).itemsize
+    tokens = microbatch_sequences(config, layout) * config.data.seq_len // layout.sequence
+    layers = math.ceil(m.num_layers / layout.stage)
+    none = layer_activation_bytes(config, layout, tokens, "none", platform)
+    kept = layer_activation_bytes(config, layout, tokens, layout.remat, platform)
+    if layout.stage > 1:
+        in_flight = (layout.microbatches if layout.schedule == "gpipe"
+                     else min(layout.microbatches, layout.stage * layout.virtual_stages))
+        stage_input = e * tokens * m.d_model
+        chunk = math.ceil(layers / layout.virtual_stages)
+        activations = in_flight * stage_input + chunk * kept + none
+    else:
+        activations = layers * kept + none  # plus one block's backward working set
+    vocab = m.vocab_size / layout.tensor
+    loss_tokens = (min(tokens, m.loss_chunk_tokens) if m.cross_entropy == "chunked" else tokens)
+    logits = 2 * 4 * loss_tokens * vocab
+    return Memory(params, moments, grads, int(activations), int(logits))
+
+
+def memory_budget_bytes(text: str) -> int:
+    """'80GiB', '141GB', '512MiB' or a number of bytes -> bytes."""
+    units = {"tib": 2**40, "gib": 2**30, "mib": 2**20, "kib": 2**10, "tb": 1e12, "gb": 1e9,
+             "mb": 1e6, "kb": 1e3, "b": 1}
+    lowered = text.strip().lower()
+    for unit, scale in units.items():
+        if lowered.endswith(unit):
+            return int(float(lowered[: -len(unit)]) * scale)
+    return int(float(lowered))
+
+

@@ -1,0 +1,149 @@
+"""Enumerate legal layouts for a device count, predict each one, rank the ones that fit.
+
+The search covers every factorisation of the devices into stage x data x fsdp x expert x
+sequence x tensor (tensor within one node and dividing the heads, MLP and vocabulary; expert
+dividing the experts; sequence only for sequences of 4k tokens or more), sequence parallelism
+with tensor > 1, ZeRO 0/1/2 with data > 1, remat none/save_dots/full, pipeline microbatches
+from p to 8p with 1F1B, GPipe and interleaved (2 chunks) schedules, and gradient accumulation
+to bring the microbatch down when nothing else fits. Each candidate passes the same checks a
+run does (`config.validate` and `trainer.check_layout`) before it is shown.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+from jaxtron.config import Config
+from jaxtron.errors import ConfigError
+from jaxtron.planner.cost import Cost, estimate
+from jaxtron.planner.hardware import Hardware
+from jaxtron.planner.layout import Layout, apply
+from jaxtron.planner.memory import Memory, predict
+
+REMATS = ("none", "save_dots", "full")
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    layout: Layout
+    memory: Memory
+    cost: Cost
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _meshes(config: Config, devices: int, node_size: int):
+    m = config.model
+    for tensor in divisors(devices):
+        if tensor > node_size or any(x % tensor for x in (m.num_heads, m.mlp_dim,
+                                                          m.vocab_size)):
+            continue
+        for stage in divisors(devices // tensor):
+            if stage > m.num_layers:
+                continue
+            rest = devices // tensor // stage
+            for sequence in divisors(rest):
+                if sequence > 1 and (config.data.seq_len < 4096
+                                     or config.data.seq_len % (2 * sequence)
+                                     or stage > 1 or config.moe.enabled):
+                    continue
+                for expert in divisors(rest // sequence):
+                    if expert > 1 and (not config.moe.enabled
+                                       or config.moe.num_experts % expert or stage > 1):
+                        continue
+                    for fsdp in divisors(rest // sequence // expert):
+                        if m.d_model % fsdp:
+                            continue
+                        data = rest // sequence // expert // fsdp
+                        yield Layout(data=data, fsdp=fsdp, tensor=tensor, sequence=sequence,
+                                     expert=expert, stage=stage)
+
+
+def _variants(config: Config, mesh: Layout):
+    batch = config.train.batch_size
+    if batch % mesh.batch_split:
+        return
+    per_replica = batch // mesh.batch_split
+    sps = (False, True) if mesh.tensor > 1 else (False,)
+    zeros = (0, 1, 2) if mesh.data > 1 else (0,)
+    pipelines = [(1, "1f1b", 1)]
+    if mesh.stage > 1:
+        pipelines = []
+        for factor in (1, 2, 4, 8):
+            mb = mesh.stage * factor
+            if per_replica % mb:
+                continue
+            pipelines += [(mb, "1f1b", 1), (mb, "gpipe", 1)]
+            if config.model.num_layers >= 2 * mesh.stage:
+                pipelines.append((mb, "interleaved", 2))
+    for sp, zero, remat, (mb, schedule, virtual) in itertools.product(sps, zeros, REMATS,
+                                                                     pipelines):
+        for accum in (1, 2, 4, 8, 16, 32):
+            if per_replica % (mb * accum):
+                break
+            if sp and config.data.seq_len % (mesh.tensor * mesh.sequence):
+                continue
+            yield dataclasses.replace(mesh, sequence_parallel=sp, zero_stage=zero, remat=remat,
+                                      microbatches=mb, schedule=schedule,
+                                      virtual_stages=virtual, grad_accum=accum)
+
+
+def candidates(config: Config, devices: int, hardware: Hardware, platform: str = "gpu"):
+    for mesh in _meshes(config, devices, hardware.node_size):
+        for layout in _variants(config, mesh):
+            yield Candidate(layout, predict(config, layout, platform),
+                            estimate(config, layout, hardware))
+
+
+def is_legal(config: Config, layout: Layout) -> bool:
+    """The same checks a run makes before it starts."""
+    from jaxtron.trainer import check_layout
+
+    try:
+        check_layout(apply(config, layout), layout.degrees())
+    except ConfigError:
+        return False
+    return True
+
+
+def rank(config: Config, devices: int, hardware: Hardware, budget: int, top: int = 10,
+         platform: str = "gpu") -> tuple[list[Candidate], int, int]:
+    """(best `top` legal layouts under `budget` bytes, fastest first; layouts considered;
+    layouts that fit)."""
+    considered, fitting = 0, []
+    for candidate in candidates(config, devices, hardware, platform):
+        considered += 1
+        if candidate.memory.total <= budget:
+            fitting.append(candidate)
+    # Among equally fast layouts prefer fewer moving parts: no accumulation, no recompute,
+    # no ZeRO, no sequence parallelism; then less memory.
+    fitting.sort(key=lambda c: (round(c.cost.step_s, 9), c.layout.grad_accum,
+                                REMATS.index(c.layout.remat), c.layout.zero_stage,
+                                c.layout.sequence_parallel, c.memory.total))
+    best = []
+    for candidate in fitting:
+        if is_legal(config, candidate.layout):
+            best.append(candidate)
+        if len(best) == top:
+            break
+    return best, considered, len(fitting)
+
+
+def position_of(config: Config, fixed: dict, devices: int, hardware: Hardware, budget: int,
+                platform: str = "gpu") -> tuple[int | None, Candidate | None]:
+    """The best layout whose fields include `fixed` (e.g. a published mesh; the planner picks
+    the rest), its rank among all fitting layouts (1 = fastest), or None if none fits."""
+    times, best = [], None
+    for candidate in candidates(config, devices, hardware, platform):
+        if candidate.memory.total > budget:
+            continue
+        times.append(candidate.cost.step_s)
+        matches = all(getattr(candidate.layout, k) == v for k, v in fixed.items())
+        if matches and (best is None or candidate.cost.step_s < best.cost.step_s):
+            best = candidate
+    if best is None:
+        return None, None
+    return 1 + sum(t < best.cost.step_s for t in times), best
