@@ -1,6 +1,7 @@
 """The one attention entry point the model calls, dispatching on an enum.
 
-`xla` is the plain-jnp reference; `cudnn` is JAX's fused cuDNN path (NVIDIA GPUs only); `pallas`
+`xla` is plain XLA (causal self-attention skips the masked blocks, `blockwise.py`; anything
+else runs the reference, `reference.py`); `cudnn` is JAX's fused cuDNN path (NVIDIA GPUs only); `pallas`
 is our flash attention (`flash.py`: Triton on a GPU, slow interpret mode elsewhere, for tests);
 `auto` takes cuDNN on a GPU and the reference elsewhere. When the step is traced on a mesh with a
 `sequence` axis (context parallelism), every implementation runs as ring attention.
@@ -17,7 +18,6 @@ head is ever paired with another group's keys.
 from __future__ import annotations
 
 import enum
-
 import math
 
 import jax
@@ -26,6 +26,7 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
 from jaxtron.errors import ConfigError
+from jaxtron.kernels.blockwise import blockwise_causal_attention
 from jaxtron.kernels.flash import flash_attention
 from jaxtron.kernels.reference import reference_attention
 from jaxtron.kernels.ring import ring_attention
@@ -64,7 +65,9 @@ def attention(q, k, v, *, causal: bool = True, segment_ids=None, impl="auto"):
         return flash_attention(q, k, v, causal=causal, segment_ids=segment_ids)
     if impl is AttentionImpl.CUDNN and segment_ids is None:
         return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
-    # Packed segments are not expressible through jax.nn's cuDNN arguments: use the reference.
+    # Packed segments are not expressible through jax.nn's cuDNN arguments: use plain XLA.
+    if causal and q.shape[1] == k.shape[1]:
+        return blockwise_causal_attention(q, k, v, segment_ids=segment_ids)
     return reference_attention(q, k, v, causal=causal, segment_ids=segment_ids)
 
 
