@@ -3,9 +3,10 @@
 Parameters and optimizer state are exact: every parameter's shape and logical axes come from
 `eval_shape` of the model, and the same rules table that shards a run (`sharding/rules.py`)
 divides each dimension by its mesh degrees. Gradients take the parameters' layout (ZeRO-2 adds
-the data axis). Activations follow Korthikanti et al. 2022 ("Reducing Activation Recomputation
-in Large Transformer Models", section 4) adapted to this model: per layer and token the block
-keeps, in the compute dtype,
+the data axis), twice over when they are summed across microbatches (accumulation, and the
+pipeline's per-tick backward). Activations follow Korthikanti et al. 2022 ("Reducing
+Activation Recomputation in Large Transformer Models", section 4) adapted to this model: per
+layer and token the block keeps, in the compute dtype,
 
     2 D / r      both norms' inputs (r = tensor degree with sequence parallelism)
     2 D          both norms' outputs, which XLA keeps all-gathered for the column-parallel matmuls
@@ -14,7 +15,9 @@ keeps, in the compute dtype,
     4 F / t      gate, its sigmoid, up and their product (gpt2: 2 F / t)
 
 and no dropout masks. Flash attention (pallas, cudnn) keeps no [L, L] scores; the XLA reference
-keeps fp32 scores, masked scores and probabilities (12 bytes per query-key pair and head).
+keeps fp32 scores, masked scores and probabilities: 12 bytes per query-key pair and head,
+counted over all L x L pairs, which matches XLA's compiled memory on CPU both for the blockwise
+path and for the reference (`python -m jaxtron.planner.validate`).
 `remat: full` keeps only each block's input (D / r); `save_dots` keeps the matmul outputs. The
 backward of a block needs one block's worth of working memory on top (its gradients, or its
 recomputed activations). A pipeline rank keeps its stage input for each microbatch in flight
@@ -86,8 +89,8 @@ def state_bytes(config: Config, layout: Layout) -> tuple[int, int, int]:
         params += itemsize * _sharded_elements(shape, names, prules, degrees, layout.stage)
         moments += 2 * 4 * _sharded_elements(shape, names, orules, degrees, layout.stage)
         grads += itemsize * _sharded_elements(shape, names, grules, degrees, layout.stage)
-    if layout.grad_accum > 1:
-        grads *= 2  # the running sum and the microbatch's gradients
+    if layout.grad_accum > 1 or layout.stage > 1:
+        grads *= 2  # the running sum and the microbatch's (a pipeline tick's) gradients
     return int(params), int(moments), int(grads)
 
 
