@@ -24,7 +24,7 @@ from jaxtron.errors import ConfigError, exits_on_user_error
 from jaxtron.planner.hardware import HARDWARE
 from jaxtron.planner.layout import Layout, apply
 from jaxtron.planner.memory import memory_budget_bytes
-from jaxtron.planner.search import position_of, rank
+from jaxtron.planner.search import plan
 
 LAYOUT_KEYS = {"mesh.data": "data", "mesh.fsdp": "fsdp", "mesh.tensor": "tensor",
                "mesh.sequence": "sequence", "mesh.expert": "expert", "mesh.stage": "stage",
@@ -105,16 +105,17 @@ def main(argv=None) -> int:
     budget = (memory_budget_bytes(args.device_memory) if args.device_memory
               else hardware.memory_bytes)
     platform = args.platform or ("cpu" if hardware.name == "cpu" else "gpu")
-    best, considered, fitting = rank(config, args.devices, hardware, budget, args.top, platform)
-    print(f"{considered} layouts of {args.devices} x {hardware.name} considered, {fitting} fit "
-          f"in {size(budget)} per device; peak {hardware.peak_flops / 1e12:.0f} "
+    ranked = plan(config, args.devices, hardware, budget, platform)
+    best, fitting = ranked.best(config, args.top), len(ranked.fitting)
+    print(f"{ranked.considered} layouts of {args.devices} x {hardware.name} considered, "
+          f"{fitting} fit in {size(budget)} per device; peak {hardware.peak_flops / 1e12:.4g} "
           f"TFLOP/s x efficiency {hardware.efficiency}, links {hardware.intra_bw / 1e9:.0f} / "
           f"{hardware.inter_bw / 1e9:.0f} GB/s inside / across nodes of {hardware.node_size}")
     for i, candidate in enumerate(best, 1):
         print(format_row(i, candidate))
     if args.compare:
         fixed = parse_layout(args.compare, args.devices)
-        position, mine = position_of(config, fixed, args.devices, hardware, budget, platform)
+        position, mine = ranked.position_of(fixed)
         if mine is None:
             print(f"given layout ({args.compare}): no variant fits {size(budget)} per device")
         else:

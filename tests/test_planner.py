@@ -12,7 +12,7 @@ from jaxtron.planner.cost import bubble_fraction, communication
 from jaxtron.planner.hardware import HARDWARE
 from jaxtron.planner.layout import Layout, apply
 from jaxtron.planner.memory import memory_budget_bytes, predict, state_bytes
-from jaxtron.planner.search import rank
+from jaxtron.planner.search import plan
 from jaxtron.sharding.report import shard_bytes
 from jaxtron.trainer import Trainer, check_layout
 
@@ -50,8 +50,9 @@ def test_parameter_and_optimizer_bytes_are_exact():
 def test_proposals_fit_pass_the_run_checks_and_compile():
     config = small_config()
     budget = 30 * MiB
-    best, considered, fitting = rank(config, 8, HARDWARE["cpu"], budget, top=3, platform="cpu")
-    assert considered > fitting > 0 and len(best) == 3
+    ranked = plan(config, 8, HARDWARE["cpu"], budget, platform="cpu")
+    best = ranked.best(config, top=3)
+    assert ranked.considered > len(ranked.fitting) > 0 and len(best) == 3
     for candidate in best:
         assert candidate.memory.total <= budget
         planned = apply(config, candidate.layout)  # the config validator accepts it

@@ -109,10 +109,29 @@ def is_legal(config: Config, layout: Layout) -> bool:
     return True
 
 
-def rank(config: Config, devices: int, hardware: Hardware, budget: int, top: int = 10,
-         platform: str = "gpu") -> tuple[list[Candidate], int, int]:
-    """(best `top` legal layouts under `budget` bytes, fastest first; layouts considered;
-    layouts that fit)."""
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Every layout that fits the budget, fastest first, and how many were considered."""
+    fitting: list[Candidate]
+    considered: int
+
+    def best(self, config: Config, top: int = 10) -> list[Candidate]:
+        """The `top` fastest layouts that pass the run's own checks."""
+        legal = (c for c in self.fitting if is_legal(config, c.layout))
+        return list(itertools.islice(legal, top))
+
+    def position_of(self, fixed: dict) -> tuple[int | None, Candidate | None]:
+        """The best layout whose fields include `fixed` (e.g. a published mesh; the planner
+        picks the rest) and its rank among the fitting layouts (1 = fastest)."""
+        for index, candidate in enumerate(self.fitting):
+            if all(getattr(candidate.layout, k) == v for k, v in fixed.items()):
+                faster = sum(c.cost.step_s < candidate.cost.step_s for c in self.fitting[:index])
+                return faster + 1, candidate
+        return None, None
+
+
+def plan(config: Config, devices: int, hardware: Hardware, budget: int,
+         platform: str = "gpu") -> Plan:
     considered, fitting = 0, []
     for candidate in candidates(config, devices, hardware, platform):
         considered += 1
@@ -123,27 +142,4 @@ def rank(config: Config, devices: int, hardware: Hardware, budget: int, top: int
     fitting.sort(key=lambda c: (round(c.cost.step_s, 9), c.layout.grad_accum,
                                 REMATS.index(c.layout.remat), c.layout.zero_stage,
                                 c.layout.sequence_parallel, c.memory.total))
-    best = []
-    for candidate in fitting:
-        if is_legal(config, candidate.layout):
-            best.append(candidate)
-        if len(best) == top:
-            break
-    return best, considered, len(fitting)
-
-
-def position_of(config: Config, fixed: dict, devices: int, hardware: Hardware, budget: int,
-                platform: str = "gpu") -> tuple[int | None, Candidate | None]:
-    """The best layout whose fields include `fixed` (e.g. a published mesh; the planner picks
-    the rest), its rank among all fitting layouts (1 = fastest), or None if none fits."""
-    times, best = [], None
-    for candidate in candidates(config, devices, hardware, platform):
-        if candidate.memory.total > budget:
-            continue
-        times.append(candidate.cost.step_s)
-        matches = all(getattr(candidate.layout, k) == v for k, v in fixed.items())
-        if matches and (best is None or candidate.cost.step_s < best.cost.step_s):
-            best = candidate
-    if best is None:
-        return None, None
-    return 1 + sum(t < best.cost.step_s for t in times), best
+    return Plan(fitting, considered)
