@@ -21,7 +21,6 @@ each closed by one `block_until_ready`, and the median window gives the step tim
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import sys
@@ -32,6 +31,7 @@ import numpy as np
 
 from jaxtron import config as config_lib
 from jaxtron.errors import exits_on_user_error
+from jaxtron.export import single_device_config
 from jaxtron.flops import hardware_flops_per_token, peak_flops, training_flops_per_token
 from jaxtron.sharding.mesh import describe_mesh
 from jaxtron.sharding.report import memory_report
@@ -62,13 +62,6 @@ def time_steps(step, state, batch, warmup: int, steps: int, repeats: int):
         jax.block_until_ready((state, out))
         windows.append((time.perf_counter() - start) / steps)
     return statistics.median(windows), state
-
-
-def one_device(config: config_lib.Config) -> config_lib.Config:
-    mesh = {f.name: 1 for f in dataclasses.fields(config.mesh)
-            if f.name not in ("sequence_parallel",)}
-    return dataclasses.replace(config, mesh=dataclasses.replace(config.mesh, **mesh),
-                               pipeline=config_lib.PipelineConfig())
 
 
 def bench_jaxtron(config, devices, warmup, steps, repeats) -> dict:
@@ -120,7 +113,7 @@ def run(config: config_lib.Config, warmup: int = 3, steps: int = 5, repeats: int
         "overhead_ratio": None,
     }
     if reference and config.model.type == "llama" and not config.moe.enabled:
-        single = one_device(config)
+        single = single_device_config(config)
         ours = bench_jaxtron(single, devices[:1], warmup, steps, repeats)["step_s"]
         plain = bench_plain(single, devices[0], warmup, steps, repeats)
         report.update(plain_tokens_per_s=tokens / plain,

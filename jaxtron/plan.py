@@ -26,12 +26,8 @@ from jaxtron.planner.layout import Layout, apply
 from jaxtron.planner.memory import memory_budget_bytes
 from jaxtron.planner.search import plan
 
-LAYOUT_KEYS = {"mesh.data": "data", "mesh.fsdp": "fsdp", "mesh.tensor": "tensor",
-               "mesh.sequence": "sequence", "mesh.expert": "expert", "mesh.stage": "stage",
-               "mesh.sequence_parallel": "sequence_parallel", "optim.zero_stage": "zero_stage",
-               "model.remat": "remat", "pipeline.microbatches": "microbatches",
-               "optim.grad_accum": "grad_accum", "pipeline.schedule": "schedule",
-               "pipeline.virtual_stages": "virtual_stages"}
+# Every config key a layout sets names the Layout field of the same name (mesh.tensor -> tensor).
+LAYOUT_KEYS = {key: key.split(".")[1] for key in Layout(stage=2).overrides()}
 
 
 def parse_layout(text: str, devices: int) -> dict:

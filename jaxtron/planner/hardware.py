@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxtron.flops import PEAK_FLOPS_BY_KIND as PEAK
+
 
 @dataclasses.dataclass(frozen=True)
 class Hardware:
@@ -24,10 +26,10 @@ class Hardware:
 
 GiB = 2**30
 HARDWARE = {
-    "a100": Hardware("a100", 312e12, 80 * GiB, 300e9, 25e9, 8),
-    "h100": Hardware("h100", 989e12, 80 * GiB, 450e9, 50e9, 8),
-    "h200": Hardware("h200", 989e12, 141 * 10**9, 450e9, 50e9, 8),
-    "b200": Hardware("b200", 2250e12, 180 * 10**9, 900e9, 50e9, 8),
-    "tpu-v5p": Hardware("tpu-v5p", 459e12, 95 * 10**9, 600e9, 25e9, 8960),
+    "a100": Hardware("a100", PEAK["A100"], 80 * GiB, 300e9, 25e9, 8),
+    "h100": Hardware("h100", PEAK["H100"], 80 * GiB, 450e9, 50e9, 8),
+    "h200": Hardware("h200", PEAK["H200"], 141 * 10**9, 450e9, 50e9, 8),
+    "b200": Hardware("b200", PEAK["B200"], 180 * 10**9, 900e9, 50e9, 8),
+    "tpu-v5p": Hardware("tpu-v5p", PEAK["TPU v5p"], 95 * 10**9, 600e9, 25e9, 8960),
     "cpu": Hardware("cpu", 1e11, 16 * GiB, 10e9, 10e9, 1 << 20, efficiency=1.0),
 }
