@@ -6,3 +6,7 @@ and jitted step from a config.
 """
 
 __version__ = "0.1.0"
+
+from jaxtron.host_memory import keep_freed_host_memory
+
+HOST_MEMORY_KEPT = keep_freed_host_memory()
