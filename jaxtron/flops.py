@@ -78,11 +78,12 @@ def recomputes_block_forward(config) -> bool:
 
 def hardware_flops_per_token(config) -> float:
     """Model FLOPs plus the matmul FLOPs that activation recompute repeats (HFU's numerator).
-    `save_dots` keeps the matmul outputs, so it repeats only elementwise work."""
+    `save_dots` keeps the weight matmuls' outputs but not attention's batched ones, so it
+    repeats the attention forward besides elementwise work."""
     m, seq_len, moe = config.model, config.data.seq_len, config.moe
     model = training_flops_per_token(m, seq_len, moe)
-    if not recomputes_block_forward(config):
-        return model
-    blocks = matmul_params(m, moe) - m.d_model * m.vocab_size
     attention = 2 * m.num_layers * 2 * m.num_heads * m.resolved_head_dim * (seq_len + 1) / 2
+    if not recomputes_block_forward(config):
+        return model + (attention if m.remat == "save_dots" else 0.0)
+    blocks = matmul_params(m, moe) - m.d_model * m.vocab_size
     return model + 2 * blocks + attention

@@ -23,3 +23,21 @@ def test_gpt2_small_parameter_count_is_the_published_one():
     m = config_lib.load("configs/gpt2-124m.yaml").model
     # 85M non-embedding matmul weights (12 * 12 * 768^2) plus the tied 768 x 50304 head.
     assert matmul_params(m) == 12 * 12 * 768 * 768 + 768 * 50304
+
+
+def test_recompute_adds_the_forward_matmuls_each_policy_repeats():
+    from jaxtron.flops import hardware_flops_per_token
+
+    base = make_config()
+    model = training_flops_per_token(base.model, 32)
+    attention_forward = 2 * 256 * 16.5          # both layers' forward, from the hand count above
+    blocks = 90112 - 64 * 256                   # matmul weights outside the head
+
+    def hardware(policy):
+        return hardware_flops_per_token(make_config(model={"remat": policy}))
+
+    assert hardware("none") == model
+    # save_dots keeps weight-matmul outputs; attention's batched dots run again.
+    assert hardware("save_dots") == model + attention_forward
+    # full repeats every block's forward: weights (2 FLOPs per weight) and attention.
+    assert hardware("full") == model + 2 * blocks + attention_forward
