@@ -42,9 +42,14 @@ def matmul_params(m: ModelConfig, moe: MoEConfig | None = None) -> int:
     return total
 
 
+def attention_forward_flops_per_token(m: ModelConfig, seq_len: int) -> float:
+    """Causal attention's two matmuls (scores, weighted values) over all layers, forward only:
+    a token attends to (seq_len + 1) / 2 keys on average."""
+    return 2 * m.num_layers * 2 * m.num_heads * m.resolved_head_dim * (seq_len + 1) / 2
+
+
 def training_flops_per_token(m: ModelConfig, seq_len: int, moe: MoEConfig | None = None) -> float:
-    attention = 6 * m.num_layers * 2 * m.num_heads * m.resolved_head_dim * (seq_len + 1) / 2
-    return 6 * matmul_params(m, moe) + attention
+    return 6 * matmul_params(m, moe) + 3 * attention_forward_flops_per_token(m, seq_len)
 
 
 def measure_cpu_peak(size: int = 1024, seconds: float = 0.5) -> float:
@@ -82,7 +87,7 @@ def hardware_flops_per_token(config) -> float:
     repeats the attention forward besides elementwise work."""
     m, seq_len, moe = config.model, config.data.seq_len, config.moe
     model = training_flops_per_token(m, seq_len, moe)
-    attention = 2 * m.num_layers * 2 * m.num_heads * m.resolved_head_dim * (seq_len + 1) / 2
+    attention = attention_forward_flops_per_token(m, seq_len)
     if not recomputes_block_forward(config):
         return model + (attention if m.remat == "save_dots" else 0.0)
     blocks = matmul_params(m, moe) - m.d_model * m.vocab_size

@@ -5,7 +5,7 @@ malloc from its worker threads. glibc serves a large request on a worker thread'
 fresh `mmap` and unmaps it on free, so the next step touches brand-new pages again: on the
 6-layer, width-384 benchmark model that is ~240,000 page faults and ~0.5 s of kernel time per
 1.5 s step. With one arena, no mmap for large blocks and no trimming, freed blocks stay in the
-heap and the next step reuses them (0 faults, the step 15-25% faster). PyTorch avoids the same
+heap and the next step reuses them (0 faults, the step about 12% faster). PyTorch avoids the same
 cost with per-tensor allocations small enough for glibc's adaptive threshold.
 
 Applied when `jaxtron` is imported, before JAX starts its threads, on glibc systems whose JAX

@@ -3,7 +3,7 @@
 `xla` is plain XLA (causal self-attention skips the masked blocks, `blockwise.py`; anything
 else runs the reference, `reference.py`); `cudnn` is JAX's fused cuDNN path (NVIDIA GPUs only); `pallas`
 is our flash attention (`flash.py`: Triton on a GPU, slow interpret mode elsewhere, for tests);
-`auto` takes cuDNN on a GPU and the reference elsewhere. When the step is traced on a mesh with a
+`auto` takes cuDNN on a GPU and plain XLA elsewhere. When the step is traced on a mesh with a
 `sequence` axis (context parallelism), every implementation runs as ring attention.
 
 A Pallas call has no SPMD partitioning rule: GSPMD can only replicate it (each device computing

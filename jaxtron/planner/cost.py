@@ -33,8 +33,8 @@ from jaxtron.planner.layout import Layout
 from jaxtron.planner.memory import microbatch_sequences, state_bytes
 
 AXES = ("stage", "data", "fsdp", "expert", "sequence", "tensor")
-# `save_dots` repeats the elementwise work (norms, activations, softmax) but no matmul: a few
-# percent of a step that is matmul-bound.
+# `save_dots` also repeats the elementwise work (norms, activations, softmax): a few percent of
+# a step that is matmul-bound. The attention matmuls it repeats are in hardware_flops_per_token.
 SAVE_DOTS_OVERHEAD = 0.03
 
 
