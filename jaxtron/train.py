@@ -123,8 +123,9 @@ def run(config: config_lib.Config) -> dict:
 
     dataset = open_dataset(c)
     trainer = Trainer(c)
-    batches = train_batches(c, dataset, trainer.local_rows())
-    held_out = eval_batches(c, dataset, trainer.local_rows())
+    rows = trainer.local_rows()
+    batches = train_batches(c, dataset, rows)
+    held_out = eval_batches(c, dataset, rows)
     checkpoints = Checkpointer(checkpoint_dir(run_dir), c.checkpoint.keep)
     state, resumed_from = _initial_state(trainer, checkpoints, batches)
     start = int(jax.device_get(state.step))
