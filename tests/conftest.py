@@ -1,5 +1,6 @@
 """Eight simulated CPU devices for every test, and a per-session corpus cache."""
 
+import json
 import os
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
@@ -46,3 +47,13 @@ def make_config(overrides: dict | None = None, model: dict | None = None, **sect
     for section, values in sections.items():
         raw.setdefault(section, {}).update(values)
     return config_lib.from_dict(raw, [f"{k}={v}" for k, v in (overrides or {}).items()])
+
+
+def metric_records(run_dir) -> list[dict]:
+    """The records a training run appended to <run_dir>/metrics.jsonl, in order."""
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def losses_by_step(run_dir) -> dict:
+    """Per-step losses; a step logged again after a resume overwrites the earlier record."""
+    return {r["step"]: r["loss"] for r in metric_records(run_dir)}

@@ -1,8 +1,5 @@
 """Checkpoints: exact resume after kill -9, preemption, any-mesh restore, damaged files, NaNs."""
 
-import json
-import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -18,7 +15,7 @@ from jaxtron.checkpoint import CheckpointError, Checkpointer, checkpoint_dir
 from jaxtron.export import load_params, save_params
 from jaxtron.trainer import Trainer
 
-from conftest import make_config
+from conftest import losses_by_step, make_config, metric_records
 
 BASE = ["--config", "configs/tiny.yaml", "model.num_layers=2", "model.d_model=64",
         "model.mlp_dim=128", "data.seq_len=32", "data.builtin_max_bytes=400000",
@@ -28,12 +25,6 @@ BASE = ["--config", "configs/tiny.yaml", "model.num_layers=2", "model.d_model=64
 def train_cmd(run_dir, *extra):
     return [sys.executable, "-u", "-m", "jaxtron.train", *BASE, f"train.run_dir={run_dir}",
             *extra]
-
-
-def losses_by_step(run_dir):
-    """Per-step losses; a step logged again after a resume overwrites the earlier record."""
-    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in records}
 
 
 def run_until(cmd, marker, sig):
@@ -170,7 +161,7 @@ def test_non_finite_loss_policy(tmp_path, policy):
     cmd = train_cmd(tmp_path, "train.steps=8", "checkpoint.every=1", "optim.lr=1e8",
                     "optim.warmup_steps=0", "optim.grad_clip=0", f"train.on_nan={policy}")
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    records = metric_records(tmp_path)
     if policy == "stop":
         assert result.returncode == 2, result.stderr[-2000:]
         assert "non-finite loss or gradient" in result.stderr and "is intact" in result.stderr

@@ -1,6 +1,5 @@
 """Mixture of experts: routing semantics, auxiliary losses, and expert parallelism."""
 
-import json
 import subprocess
 import sys
 
@@ -17,7 +16,7 @@ from jaxtron.flops import matmul_params
 from jaxtron.models.moe import MoE, capacity, capacity_slots, load_balancing_loss, route
 from jaxtron.trainer import Trainer
 
-from conftest import make_config
+from conftest import make_config, metric_records
 
 
 def moe_layer(**moe):
@@ -184,7 +183,7 @@ def test_moe_tiny_trains_with_expert_parallelism(tmp_path):
          f"train.run_dir={tmp_path}", "data.builtin_max_bytes=400000"],
         capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    records = metric_records(tmp_path)
     assert records[-1]["loss"] < records[0]["loss"] - 0.5
     assert {"moe_balance", "moe_z", "moe_dropped", "moe_max_load"} <= records[-1].keys()
     assert "expert=4" in result.stdout

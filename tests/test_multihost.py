@@ -1,7 +1,6 @@
 """Multi-process training with real OS processes on 127.0.0.1: JAX's distributed runtime, gloo
 collectives between processes, per-host data, checkpoints across process counts, dead peers."""
 
-import json
 import os
 import socket
 import subprocess
@@ -11,6 +10,7 @@ import time
 import numpy as np
 import pytest
 
+from conftest import losses_by_step
 from jaxtron.config import DistributedConfig
 from jaxtron.distributed import LaunchError, first_slurm_host, resolve_launch
 
@@ -61,11 +61,6 @@ def train(run_dir, processes, *extra):
     return outputs
 
 
-def losses(run_dir):
-    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in records}
-
-
 def test_two_processes_train_like_one_and_checkpoints_cross_process_counts(tmp_path):
     reference = tmp_path / "one-process"
     train(reference, 1, "train.steps=6")
@@ -78,7 +73,7 @@ def test_two_processes_train_like_one_and_checkpoints_cross_process_counts(tmp_p
     # One process restores the two-process checkpoint and finishes.
     (last,) = train(chained, 1, "train.steps=6")
     assert "resumed from" in last and "at step 4" in last
-    expected, got = losses(reference), losses(chained)
+    expected, got = losses_by_step(reference), losses_by_step(chained)
     assert sorted(got) == list(range(1, 7))
     np.testing.assert_allclose([got[s] for s in range(1, 7)],
                                [expected[s] for s in range(1, 7)], rtol=2e-5)

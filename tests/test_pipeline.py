@@ -1,6 +1,5 @@
 """Pipeline parallelism: schedules as data, equality with the sequential model, flat memory."""
 
-import json
 import subprocess
 import sys
 
@@ -14,7 +13,7 @@ from jaxtron.pipeline.layout import split_layers
 from jaxtron.pipeline.schedule import BACKWARD, FORWARD, IDLE, build_table
 from jaxtron.trainer import Trainer
 
-from conftest import make_config
+from conftest import make_config, metric_records
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
@@ -166,7 +165,7 @@ def test_train_cli_with_two_stages(tmp_path):
          "train.log_every=10", "train.eval_every=20", f"train.run_dir={tmp_path}",
          "data.builtin_max_bytes=400000"], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    records = metric_records(tmp_path)
     assert records[-1]["loss"] < records[0]["loss"] and "eval_loss" in records[-1]
     assert "stage=2" in result.stdout
 

@@ -1,6 +1,5 @@
 """Training works: it overfits, learns the corpus, and shards without changing the numbers."""
 
-import json
 import struct
 import subprocess
 import sys
@@ -14,7 +13,7 @@ from jaxtron.data.pipeline import open_dataset, train_batches
 from jaxtron.step import accumulated_grads, plain_grads
 from jaxtron.trainer import Trainer
 
-from conftest import make_config
+from conftest import make_config, metric_records
 
 
 def test_overfits_one_batch():
@@ -75,7 +74,7 @@ def test_cli_trains_tiny_config_and_writes_metrics(tmp_path):
          "train.profile_steps=[40,41]"],
         capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = metric_records(run_dir)
     assert [r["step"] for r in records] == [10, 20, 30, 40, 50, 60]
     for r in records:
         assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu"} <= r.keys()
