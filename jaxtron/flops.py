@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxtron.config import ModelConfig, MoEConfig
+from jaxtron.kernels.attention import AttentionImpl, impl_on
 
 # Dense bf16 tensor-core peaks per device, FLOP/s (vendor datasheets, without sparsity).
 PEAK_FLOPS_BY_KIND = {
@@ -81,14 +82,23 @@ def recomputes_block_forward(config) -> bool:
     return config.model.remat == "full" or config.mesh.stage > 1
 
 
-def hardware_flops_per_token(config) -> float:
+def save_dots_repeats_attention(config, platform: str | None = None) -> bool:
+    """Whether `remat: save_dots` runs the attention forward again in the backward. The
+    blockwise (xla) and pallas kernels name their output and log-sum-exp, which the policy
+    keeps; cuDNN's and ring attention's (a `sequence` mesh axis) residuals have no names."""
+    impl = impl_on(config.model.attention_impl, platform or jax.default_backend())
+    return config.mesh.sequence > 1 or impl is AttentionImpl.CUDNN
+
+
+def hardware_flops_per_token(config, platform: str | None = None) -> float:
     """Model FLOPs plus the matmul FLOPs that activation recompute repeats (HFU's numerator).
-    `save_dots` keeps the weight matmuls' outputs but not attention's batched ones, so it
-    repeats the attention forward besides elementwise work."""
+    `save_dots` keeps the weight matmuls' outputs, and attention's output where the kernel
+    names it (`save_dots_repeats_attention`); otherwise it repeats the attention forward."""
     m, seq_len, moe = config.model, config.data.seq_len, config.moe
     model = training_flops_per_token(m, seq_len, moe)
     attention = attention_forward_flops_per_token(m, seq_len)
     if not recomputes_block_forward(config):
-        return model + (attention if m.remat == "save_dots" else 0.0)
+        repeats = m.remat == "save_dots" and save_dots_repeats_attention(config, platform)
+        return model + (attention if repeats else 0.0)
     blocks = matmul_params(m, moe) - m.d_model * m.vocab_size
     return model + 2 * blocks + attention

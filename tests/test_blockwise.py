@@ -35,3 +35,45 @@ def test_values_and_gradients_equal_the_reference(heads, kv_heads, length, chunk
 
 def test_chunking_kicks_in_for_longer_sequences():
     assert chunk_count(30) == 1 and chunk_count(64) == 1 and chunk_count(256) == 4
+
+
+def test_bf16_matches_the_fp32_reference():
+    keys = jax.random.split(jax.random.key(1), 4)
+    q = jax.random.normal(keys[0], (2, 128, 4, 16))
+    k, v = (jax.random.normal(x, (2, 128, 2, 16)) for x in keys[1:3])
+    d_out = jax.random.normal(keys[3], q.shape)
+
+    def run(fn, *args):
+        out, vjp = jax.vjp(fn, *args)
+        return out, vjp(d_out.astype(out.dtype))
+
+    expected = run(lambda q, k, v: reference_attention(q, k, v, causal=True), q, k, v)
+    got = run(blockwise_causal_attention, *(x.astype(jnp.bfloat16) for x in (q, k, v)))
+    # bf16 keeps 8 mantissa bits (relative step 2^-8 = 0.004); inputs are rounded once and the
+    # matmul operands (probabilities, d-logits) once more, with fp32 accumulation: a few steps.
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
+        assert a.dtype == jnp.bfloat16
+        np.testing.assert_allclose(np.asarray(a, np.float32), b, rtol=0.05, atol=0.05)
+
+
+def test_backward_keeps_no_scores_and_save_dots_keeps_the_output():
+    """Flash-style residuals: nothing [L, L] is saved, and the save_dots policy keeps the
+    named output and log-sum-exp, so the backward needs no second attention forward."""
+    from jax._src.ad_checkpoint import saved_residuals
+
+    from jaxtron.models.transformer import REMAT_POLICIES
+
+    length = 128
+    x = jax.random.normal(jax.random.key(2), (2, length, 4, 16))
+    w = jax.random.normal(jax.random.key(3), (16, 16))
+
+    def block(x, w):
+        h = x @ w
+        return jnp.sum(jnp.tanh(blockwise_causal_attention(h, h, h)))
+
+    shapes = [aval.shape for aval, _ in saved_residuals(block, x, w)]
+    # Scores or probabilities would be [B, G, rows, keys]: two long axes after the first two.
+    assert all(sum(d >= 32 for d in s[2:]) < 2 for s in shapes), shapes
+    kept = [where for _, where in saved_residuals(
+        jax.checkpoint(block, policy=REMAT_POLICIES["save_dots"]), x, w)]
+    assert any("attention_out" in w for w in kept) and any("attention_lse" in w for w in kept)

@@ -33,11 +33,13 @@ def test_recompute_adds_the_forward_matmuls_each_policy_repeats():
     attention_forward = 2 * 256 * 16.5          # both layers' forward, from the hand count above
     blocks = 90112 - 64 * 256                   # matmul weights outside the head
 
-    def hardware(policy):
-        return hardware_flops_per_token(make_config(model={"remat": policy}))
+    def hardware(policy, platform="cpu"):
+        return hardware_flops_per_token(make_config(model={"remat": policy}), platform)
 
     assert hardware("none") == model
-    # save_dots keeps weight-matmul outputs; attention's batched dots run again.
-    assert hardware("save_dots") == model + attention_forward
+    # save_dots keeps weight-matmul outputs and the blockwise kernel's named output...
+    assert hardware("save_dots") == model
+    # ...but cuDNN's (attention_impl auto on a GPU) has no name: its forward runs again.
+    assert hardware("save_dots", "gpu") == model + attention_forward
     # full repeats every block's forward: weights (2 FLOPs per weight) and attention.
     assert hardware("full") == model + 2 * blocks + attention_forward

@@ -40,10 +40,17 @@ class AttentionImpl(str, enum.Enum):
     PALLAS = "pallas"
 
 
-def resolve_impl(impl: str | AttentionImpl) -> AttentionImpl:
+def impl_on(impl: str | AttentionImpl, platform: str) -> AttentionImpl:
+    """What `impl` runs as on `platform` ("gpu", "cpu", "tpu"), e.g. for predictions made
+    without that platform's devices."""
     impl = AttentionImpl(impl)
     if impl is AttentionImpl.AUTO:
-        return AttentionImpl.CUDNN if jax.default_backend() == "gpu" else AttentionImpl.XLA
+        return AttentionImpl.CUDNN if platform == "gpu" else AttentionImpl.XLA
+    return impl
+
+
+def resolve_impl(impl: str | AttentionImpl) -> AttentionImpl:
+    impl = impl_on(impl, jax.default_backend())
     if impl is AttentionImpl.CUDNN and jax.default_backend() != "gpu":
         raise ConfigError("model.attention_impl=cudnn needs an NVIDIA GPU, but the backend is "
                           f"{jax.default_backend()}; use model.attention_impl=auto or xla.")

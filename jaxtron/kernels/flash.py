@@ -26,8 +26,10 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 
+from jaxtron.kernels.blockwise import ATTENTION_LSE, ATTENTION_OUT
 from jaxtron.kernels.flash_backward import (MASK_VALUE, Tiling, dot, flash_backward,
                                             k_block_end, tile_mask)
 
@@ -98,6 +100,9 @@ def _flash(t: Tiling, q, k, v, segments):
 
 def _flash_fwd(t: Tiling, q, k, v, segments):
     out, lse_BxHxL = _forward(t, q, k, v, segments)
+    # Named so that `remat: save_dots` keeps them rather than running the kernel again.
+    out, lse_BxHxL = checkpoint_name(out, ATTENTION_OUT), checkpoint_name(lse_BxHxL,
+                                                                          ATTENTION_LSE)
     return out, (q, k, v, segments, out, lse_BxHxL)
 
 

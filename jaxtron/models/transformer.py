@@ -4,7 +4,8 @@ The N blocks are created once under `nnx.vmap`, so every block parameter has a l
 axis, and applied with `jax.lax.scan`: compile time does not grow with depth. `scan_layers=False`
 runs the same stacked parameters in a Python loop (used to test that scan changes nothing).
 The remat policy wraps the block body: `full` recomputes the whole block in the backward pass,
-`save_dots` keeps matmul outputs and recomputes the cheap elementwise work.
+`save_dots` keeps matmul outputs (and attention's output) and recomputes the cheap elementwise
+work.
 
 Llama: RMSNorm, RoPE, SwiGLU, grouped-query attention, untied embeddings (Touvron et al. 2023).
 GPT-2: LayerNorm, learned positions, GELU, tied embeddings (Radford et al. 2019).
@@ -17,6 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxtron.config import ModelConfig, MoEConfig
+from jaxtron.kernels.blockwise import ATTENTION_RESIDUALS
 from jaxtron.kernels.cross_entropy import chunked_cross_entropy
 from jaxtron.models.blocks import MOE_STATS, Block, BlockGroup
 from jaxtron.models.layers import make_norm, normal, param
@@ -24,7 +26,11 @@ from jaxtron.sharding.rules import constrain
 
 REMAT_POLICIES = {
     "full": None,  # save nothing: recompute the whole block
-    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # The weight matmuls' outputs, and attention's output and log-sum-exp where the kernel
+    # names them (blockwise and pallas): its backward then needs no second forward.
+    "save_dots": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        jax.checkpoint_policies.save_only_these_names(*ATTENTION_RESIDUALS)),
 }
 
 

@@ -34,7 +34,8 @@ from jaxtron.planner.memory import microbatch_sequences, state_bytes
 
 AXES = ("stage", "data", "fsdp", "expert", "sequence", "tensor")
 # `save_dots` also repeats the elementwise work (norms, activations, softmax): a few percent of
-# a step that is matmul-bound. The attention matmuls it repeats are in hardware_flops_per_token.
+# a step that is matmul-bound. Attention matmuls it repeats (cuDNN) are in
+# hardware_flops_per_token.
 SAVE_DOTS_OVERHEAD = 0.03
 
 
@@ -86,11 +87,11 @@ def communication(config: Config, layout: Layout) -> dict:
     return out
 
 
-def estimate(config: Config, layout: Layout, hardware: Hardware) -> Cost:
+def estimate(config: Config, layout: Layout, hardware: Hardware, platform: str = "gpu") -> Cost:
     tokens = config.train.batch_size * config.data.seq_len
     c = _with_remat(config, layout)
     model_flops = training_flops_per_token(c.model, c.data.seq_len, c.moe) * tokens
-    hw_flops = hardware_flops_per_token(c) * tokens
+    hw_flops = hardware_flops_per_token(c, platform) * tokens
     per_device_peak = hardware.peak_flops * hardware.efficiency
     compute = hw_flops / layout.devices / per_device_peak
     if layout.remat == "save_dots":
