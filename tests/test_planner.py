@@ -78,7 +78,7 @@ def test_communication_and_bubble_follow_the_closed_forms():
 
 def test_activation_memory_shrinks_as_the_recompute_policy_promises():
     config = small_config()
-    none, dots, full = (predict(config, Layout(data=8, remat=r), "gpu").activations
+    none, dots, full = (predict(config, Layout(data=8, remat=r)).activations
                         for r in ("none", "save_dots", "full"))
     assert full < dots < none
 

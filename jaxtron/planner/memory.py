@@ -5,21 +5,23 @@ Parameters and optimizer state are exact: every parameter's shape and logical ax
 divides each dimension by its mesh degrees. Gradients take the parameters' layout (ZeRO-2 adds
 the data axis), twice over when they are summed across microbatches (accumulation, and the
 pipeline's per-tick backward). Activations follow Korthikanti et al. 2022 ("Reducing
-Activation Recomputation in Large Transformer Models", section 4) adapted to this model: per
-layer and token the block keeps, in the compute dtype,
+Activation Recomputation in Large Transformer Models", section 4) adapted to this model and
+checked against what JAX saves for the backward (`saved_residuals` of one block): per layer and
+token the block keeps, in the compute dtype,
 
     2 D / r      both norms' inputs (r = tensor degree with sequence parallelism)
+    2 n D / r    what each norm's derivative keeps: n = 1 for RMSNorm (x / rms), 3 for
+                 LayerNorm (x - mean twice, and the normalised x)
     2 D          both norms' outputs, which XLA keeps all-gathered for the column-parallel matmuls
     2 H K / t    the query and the attention output
     2 G K / t'   keys and values (t' = 1 when the kv heads are replicated over tensor)
-    4 F / t      gate, its sigmoid, up and their product (gpt2: 2 F / t)
-    3 D          with tensor > 1 but no sequence parallelism: replicated copies XLA keeps
-                 around the all-reduces (measured, see REPLICATED_RESIDUAL_COPIES)
+    6 F / t      SwiGLU: gate, up, three values inside silu's derivative and the product
+                 (GELU's tanh form keeps six as well)
 
-and no dropout masks. Flash attention (pallas, cudnn) keeps no [L, L] scores; the XLA reference
-keeps fp32 scores, masked scores and probabilities: 12 bytes per query-key pair and head,
-counted over all L x L pairs, which matches XLA's compiled memory on CPU both for the blockwise
-path and for the reference (`python -m jaxtron.planner.validate`).
+and no dropout masks. No attention implementation keeps [L, L] scores (flash-style, they keep
+the output and a log-sum-exp per row), except ring attention (a `sequence` axis), which JAX
+differentiates: it keeps fp32 scores, masked scores and probabilities, 12 bytes per query-key
+pair and head.
 `remat: full` keeps only each block's input (D / r); `save_dots` keeps the matmul outputs. The
 backward of a block needs one block's worth of working memory on top (its gradients, or its
 recomputed activations). A pipeline rank keeps its stage input for each microbatch in flight
@@ -96,12 +98,6 @@ def state_bytes(config: Config, layout: Layout) -> tuple[int, int, int]:
     return int(params), int(moments), int(grads)
 
 
-# Tensor parallelism without sequence parallelism: XLA keeps about three more replicated
-# [tokens, D] arrays per block than the formula's norm inputs and outputs (around the two
-# all-reduces of the row-parallel outputs). Measured from the per-layer slope of compiled memory
-# on 8 CPU devices: 2.4-3.3 D per token over D = 128/256 and tensor = 2/4.
-REPLICATED_RESIDUAL_COPIES = 3
-
 
 def _with_layout(config: Config, layout: Layout) -> Config:
     optim = dataclasses.replace(config.optim, zero_stage=layout.zero_stage)
@@ -109,15 +105,7 @@ def _with_layout(config: Config, layout: Layout) -> Config:
     return dataclasses.replace(config, optim=optim, mesh=mesh)
 
 
-def _attention_impl(config: Config, platform: str) -> str:
-    impl = config.model.attention_impl
-    if impl == "auto":
-        return "cudnn" if platform == "gpu" else "xla"
-    return impl
-
-
-def layer_activation_bytes(config: Config, layout: Layout, tokens: int, policy: str,
-                           platform: str) -> float:
+def layer_activation_bytes(config: Config, layout: Layout, tokens: int, policy: str) -> float:
     """Bytes one block keeps for the backward, for `tokens` tokens of one sequence shard."""
     m = config.model
     e = np.dtype(m.dtype).itemsize
@@ -125,16 +113,15 @@ def layer_activation_bytes(config: Config, layout: Layout, tokens: int, policy: 
     r = t if layout.sequence_parallel else 1
     kv_split = t if m.kv_heads % t == 0 else 1
     hk, gk = m.num_heads * m.resolved_head_dim, m.kv_heads * m.resolved_head_dim
-    mlp = (4 if m.type == "llama" else 2) * _mlp_width(config) / t
     if policy == "full":
         return e * tokens * m.d_model / r
     dots = 2 * hk / t + 2 * gk / kv_split + 2 * _mlp_width(config) / t + 2 * m.d_model / r
-    full = 2 * m.d_model / r + 2 * m.d_model + 2 * hk / t + 2 * gk / kv_split + mlp
-    if t > 1 and not layout.sequence_parallel:
-        full += REPLICATED_RESIDUAL_COPIES * m.d_model
+    norm_saves = 1 if m.type == "llama" else 3
+    full = (2 * (1 + norm_saves) * m.d_model / r + 2 * m.d_model + 2 * hk / t
+            + 2 * gk / kv_split + 6 * _mlp_width(config) / t)
     per_token = dots if policy == "save_dots" else full
     scores = 0.0
-    if _attention_impl(config, platform) == "xla":
+    if layout.sequence > 1:  # ring attention: JAX differentiates it, so it keeps its scores
         seq = config.data.seq_len
         sequences = tokens / (seq / layout.sequence)
         scores = sequences * (m.num_heads / t) * (seq / layout.sequence) * seq * (
@@ -154,15 +141,15 @@ def microbatch_sequences(config: Config, layout: Layout) -> int:
                                        * (layout.microbatches if layout.stage > 1 else 1))
 
 
-def predict(config: Config, layout: Layout, platform: str = "gpu") -> Memory:
+def predict(config: Config, layout: Layout) -> Memory:
     """Per-device bytes of `config` run under `layout`."""
     params, moments, grads = state_bytes(config, layout)
     m = config.model
     e = np.dtype(m.dtype).itemsize
     tokens = microbatch_sequences(config, layout) * config.data.seq_len // layout.sequence
     layers = math.ceil(m.num_layers / layout.stage)
-    none = layer_activation_bytes(config, layout, tokens, "none", platform)
-    kept = layer_activation_bytes(config, layout, tokens, layout.remat, platform)
+    none = layer_activation_bytes(config, layout, tokens, "none")
+    kept = layer_activation_bytes(config, layout, tokens, layout.remat)
     if layout.stage > 1:
         in_flight = (layout.microbatches if layout.schedule == "gpipe"
                      else min(layout.microbatches, layout.stage * layout.virtual_stages))

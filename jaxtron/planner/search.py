@@ -94,8 +94,8 @@ def _variants(config: Config, mesh: Layout):
 def candidates(config: Config, devices: int, hardware: Hardware, platform: str = "gpu"):
     for mesh in _meshes(config, devices, hardware.node_size):
         for layout in _variants(config, mesh):
-            yield Candidate(layout, predict(config, layout, platform),
-                            estimate(config, layout, hardware))
+            yield Candidate(layout, predict(config, layout),
+                            estimate(config, layout, hardware, platform))
 
 
 def is_legal(config: Config, layout: Layout) -> bool:

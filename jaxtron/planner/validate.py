@@ -42,7 +42,7 @@ def run(layouts=MATRIX, base=BASE) -> list[tuple[Layout, int, int]]:
     rows = []
     for layout in layouts:
         planned = apply(config, layout)
-        rows.append((layout, predict(planned, layout, platform="cpu").total,
+        rows.append((layout, predict(planned, layout).total,
                      compiled_bytes(planned)))
     return rows
 
