@@ -83,7 +83,8 @@ def main(argv=None) -> int:
     parser.add_argument("--node-size", type=int, help="override devices per node")
     parser.add_argument("--efficiency", type=float, help="override achieved share of peak")
     parser.add_argument("--platform", default=None, choices=("gpu", "cpu", "tpu"),
-                        help="attention kernel the run will use (cpu: XLA reference)")
+                        help="where the run will go: it decides which attention kernel "
+                        "attention_impl=auto means, and so what remat=save_dots recomputes")
     parser.add_argument("--top", type=int, default=10)
     parser.add_argument("--apply", help="write the best layout into this config file")
     parser.add_argument("--compare", help="a given layout to rank, e.g. 'mesh.tensor=8 "

@@ -110,3 +110,31 @@ def test_cross_entropy_matches_log_softmax_reference():
     expected = -np.mean(np.take_along_axis(np.asarray(jax.nn.log_softmax(logits)),
                                            np.asarray(targets)[..., None], -1))
     np.testing.assert_allclose(cross_entropy_loss(logits, targets), expected, rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["swiglu", "gelu_tanh"])
+def test_hand_written_activation_derivatives_equal_jaxs(name):
+    """The MLP activations' custom VJPs against JAX differentiating the plain formulas, and
+    what they keep for the backward: only their inputs."""
+    from jax._src.ad_checkpoint import saved_residuals
+
+    from jaxtron.models import activations
+
+    plain = {"swiglu": lambda g, u: jax.nn.silu(g) * u,
+             "gelu_tanh": lambda g, u: jax.nn.gelu(g, approximate=True) * u}[name]
+    ours = {"swiglu": activations.swiglu,
+            "gelu_tanh": lambda g, u: activations.gelu_tanh(g) * u}[name]
+    keys = jax.random.split(jax.random.key(4), 3)
+    gate, up = (4 * jax.random.normal(k, (64, 96)) for k in keys[:2])
+    d_out = jax.random.normal(keys[2], (64, 96))
+    expected = jax.vjp(plain, gate, up)
+    got = jax.vjp(ours, gate, up)
+    np.testing.assert_allclose(got[0], expected[0], rtol=1e-6, atol=1e-6)
+    for a, b in zip(got[1](d_out), expected[1](d_out)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    def kept(fn):
+        return [a.shape for a, _ in saved_residuals(lambda g, u: jnp.sum(fn(g, u)), gate, up)]
+
+    # swiglu: gate and up (JAX keeps five arrays); gelu * up: gelu's input, up and the GELU.
+    assert kept(ours).count((64, 96)) == {"swiglu": 2, "gelu_tanh": 3}[name]
+    assert kept(plain).count((64, 96)) > kept(ours).count((64, 96))

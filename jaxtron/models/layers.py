@@ -13,6 +13,7 @@ from flax import nnx
 
 from jaxtron.config import ModelConfig
 from jaxtron.kernels import attention
+from jaxtron.models.activations import gelu_tanh, swiglu
 from jaxtron.sharding.rules import constrain
 
 
@@ -147,8 +148,8 @@ class MLP(nnx.Module):
         if self.gated:
             gate_BxLxF = x_BxLxD @ self.w_gate[...].astype(dt)
             up_BxLxF = x_BxLxD @ self.w_up[...].astype(dt)
-            h_BxLxF = constrain(jax.nn.silu(gate_BxLxF) * up_BxLxF, ("batch", "seq", "mlp"))
+            h_BxLxF = constrain(swiglu(gate_BxLxF, up_BxLxF), ("batch", "seq", "mlp"))
             return h_BxLxF @ self.w_down[...].astype(dt)
         h_BxLxF = x_BxLxD @ self.w_in[...].astype(dt) + self.b_in[...].astype(dt)
-        h_BxLxF = constrain(jax.nn.gelu(h_BxLxF, approximate=True), ("batch", "seq", "mlp"))
+        h_BxLxF = constrain(gelu_tanh(h_BxLxF), ("batch", "seq", "mlp"))
         return h_BxLxF @ self.w_out[...].astype(dt) + self.b_out[...].astype(dt)

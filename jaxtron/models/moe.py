@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxtron.config import ModelConfig, MoEConfig
+from jaxtron.models.activations import swiglu
 from jaxtron.models.layers import MLP, normal, param
 from jaxtron.sharding.experts import expert_ffn, expert_parallel_active
 from jaxtron.sharding.rules import constrain
@@ -140,8 +141,8 @@ class MoE(nnx.Module):
         sizes_E = jnp.bincount(expert_A, length=self.moe.num_experts).astype(jnp.int32)
         w_gate, w_up, w_down = weights
         x_AxD = x_TxD[token_A]
-        h_AxF = (jax.nn.silu(jax.lax.ragged_dot(x_AxD, w_gate, sizes_E)) *
-                 jax.lax.ragged_dot(x_AxD, w_up, sizes_E))
+        h_AxF = swiglu(jax.lax.ragged_dot(x_AxD, w_gate, sizes_E),
+                       jax.lax.ragged_dot(x_AxD, w_up, sizes_E))
         y_AxD = jax.lax.ragged_dot(h_AxF, w_down, sizes_E)
         gate_A = weights_BxLxK.reshape(-1)[order_A].astype(y_AxD.dtype)
         y_TxD = jnp.zeros_like(x_TxD).at[token_A].add(y_AxD * gate_A[:, None])

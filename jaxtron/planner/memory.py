@@ -12,20 +12,23 @@ token the block keeps, in the compute dtype,
     2 D / r      both norms' inputs (r = tensor degree with sequence parallelism)
     2 n D / r    what each norm's derivative keeps: n = 1 for RMSNorm (x / rms), 3 for
                  LayerNorm (x - mean twice, and the normalised x)
-    2 D          both norms' outputs, which XLA keeps all-gathered for the column-parallel matmuls
+    2 D / r      both norms' outputs (with sequence parallelism XLA keeps them split and gathers
+                 them again in the backward: the per-layer slope of its memory says so)
     2 H K / t    the query and the attention output
     2 G K / t'   keys and values (t' = 1 when the kv heads are replicated over tensor)
-    6 F / t      SwiGLU: gate, up, three values inside silu's derivative and the product
-                 (GELU's tanh form keeps six as well)
+    3 F / t      SwiGLU: gate, up and their product (gpt2: 2 F / t, GELU's input and output;
+                 `models/activations.py` writes their derivatives from the inputs alone)
 
 and no dropout masks. No attention implementation keeps [L, L] scores (flash-style, they keep
 the output and a log-sum-exp per row), except ring attention (a `sequence` axis), which JAX
 differentiates: it keeps fp32 scores, masked scores and probabilities, 12 bytes per query-key
 pair and head.
 `remat: full` keeps only each block's input (D / r); `save_dots` keeps the matmul outputs. The
-backward of a block needs one block's worth of working memory on top (its gradients, or its
-recomputed activations). A pipeline rank keeps its stage input for each microbatch in flight
-and re-runs the stage from it in the backward, so it holds one stage's activations at a time.
+backward of a block needs 1-2 blocks' worth of working memory on top: the activations it
+consumes (kept or recomputed) and their gradients, as the intercept of XLA's memory against
+depth shows (BACKWARD_WORKING_BLOCKS). A pipeline rank keeps its stage input for each
+microbatch in flight and re-runs the stage from it in the backward, so it holds one stage's
+activations at a time.
 The loss adds fp32 logits and their gradient, [tokens, V / t], or one chunk of them with the
 chunked loss.
 """
@@ -98,6 +101,12 @@ def state_bytes(config: Config, layout: Layout) -> tuple[int, int, int]:
     return int(params), int(moments), int(grads)
 
 
+# A block's backward holds its activations and the gradients flowing through them at once.
+# XLA's memory at 4 and 8 layers, extrapolated to 0 layers, exceeds the rest of the prediction
+# by one to two blocks' activations (about 1 with tensor=4, 2 with data=8 or fsdp=8; D = 128):
+# a measured constant that splits the difference.
+BACKWARD_WORKING_BLOCKS = 1.5
+
 
 def _with_layout(config: Config, layout: Layout) -> Config:
     optim = dataclasses.replace(config.optim, zero_stage=layout.zero_stage)
@@ -117,8 +126,8 @@ def layer_activation_bytes(config: Config, layout: Layout, tokens: int, policy: 
         return e * tokens * m.d_model / r
     dots = 2 * hk / t + 2 * gk / kv_split + 2 * _mlp_width(config) / t + 2 * m.d_model / r
     norm_saves = 1 if m.type == "llama" else 3
-    full = (2 * (1 + norm_saves) * m.d_model / r + 2 * m.d_model + 2 * hk / t
-            + 2 * gk / kv_split + 6 * _mlp_width(config) / t)
+    full = (2 * (2 + norm_saves) * m.d_model / r + 2 * hk / t
+            + 2 * gk / kv_split + (3 if m.type == "llama" else 2) * _mlp_width(config) / t)
     per_token = dots if policy == "save_dots" else full
     scores = 0.0
     if layout.sequence > 1:  # ring attention: JAX differentiates it, so it keeps its scores
@@ -148,16 +157,16 @@ def predict(config: Config, layout: Layout) -> Memory:
     e = np.dtype(m.dtype).itemsize
     tokens = microbatch_sequences(config, layout) * config.data.seq_len // layout.sequence
     layers = math.ceil(m.num_layers / layout.stage)
-    none = layer_activation_bytes(config, layout, tokens, "none")
+    working = BACKWARD_WORKING_BLOCKS * layer_activation_bytes(config, layout, tokens, "none")
     kept = layer_activation_bytes(config, layout, tokens, layout.remat)
     if layout.stage > 1:
         in_flight = (layout.microbatches if layout.schedule == "gpipe"
                      else min(layout.microbatches, layout.stage * layout.virtual_stages))
         stage_input = e * tokens * m.d_model
         chunk = math.ceil(layers / layout.virtual_stages)
-        activations = in_flight * stage_input + chunk * kept + none
+        activations = in_flight * stage_input + chunk * kept + working
     else:
-        activations = layers * kept + none  # plus one block's backward working set
+        activations = layers * kept + working
     vocab = m.vocab_size / layout.tensor
     loss_tokens = (min(tokens, m.loss_chunk_tokens) if m.cross_entropy == "chunked" else tokens)
     logits = 2 * 4 * loss_tokens * vocab

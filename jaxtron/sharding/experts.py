@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from jaxtron.models.activations import swiglu
 from jaxtron.sharding.rules import active_mesh
 
 AXIS = "expert"
@@ -27,7 +28,7 @@ def expert_parallel_active() -> bool:
 def _swiglu_experts(x_BxExCxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD):
     gate = jnp.einsum("becd,edf->becf", x_BxExCxD, w_gate_ExDxF)
     up = jnp.einsum("becd,edf->becf", x_BxExCxD, w_up_ExDxF)
-    return jnp.einsum("becf,efd->becd", jax.nn.silu(gate) * up, w_down_ExFxD)
+    return jnp.einsum("becf,efd->becd", swiglu(gate, up), w_down_ExFxD)
 
 
 def expert_ffn(x_BxExCxD, w_gate, w_up, w_down):
