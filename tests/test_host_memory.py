@@ -8,7 +8,10 @@ import pytest
 
 from jaxtron import host_memory
 
-# A step whose temporaries (several 16 MB matrices) are allocated by XLA's worker threads.
+# A step whose temporary, a [3072, 3072] fp32 matrix (36 MiB), is allocated by XLA's worker
+# threads. It is larger than glibc's largest dynamic mmap threshold (32 MiB on 64-bit), so
+# without the tuning it is mapped afresh every step whatever malloc's history; a smaller one
+# may or may not be, and the baseline would be flaky.
 REPEATED_STEPS = """
 import resource
 import jaxtron
@@ -16,10 +19,10 @@ import jax, jax.numpy as jnp
 
 @jax.jit
 def step(x):
-    y = jnp.tanh(x @ x)
-    return ((y @ x) * y).sum()
+    y = jnp.tanh(x @ x.T)
+    return (y @ x).sum()
 
-x = jnp.full((2048, 2048), 1e-3, jnp.float32)
+x = jnp.full((3072, 64), 1e-3, jnp.float32)
 step(x).block_until_ready()
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 for _ in range(5):
