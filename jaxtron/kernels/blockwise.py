@@ -62,17 +62,21 @@ def _mask(i: int, block: int, rows_per_group: int, segment_ids):
     return mask & jnp.tile(same_BxCxS, (1, rows_per_group, 1))[:, None]
 
 
+def _scaled_logits(q, k_BxGxSxK, i: int, block: int):
+    """Chunk i's folded query rows against keys [0, (i+1) block): fp32, times 1/sqrt(K)."""
+    logits = jnp.einsum("bgqk,bgsk->bgqs", _rows(q, i, block, k_BxGxSxK.shape[1]),
+                        k_BxGxSxK[:, :, :(i + 1) * block], preferred_element_type=jnp.float32)
+    return logits * q.shape[3] ** -0.5
+
+
 def _forward(chunks: int, q, k, v, segment_ids):
-    batch, length, heads, dim = q.shape
-    groups, block = k.shape[2], length // chunks
+    heads, groups, block = q.shape[2], k.shape[2], q.shape[1] // chunks
     k_BxGxSxK, v_BxGxSxK = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
     outs, lses = [], []
     for i in range(chunks):
         stop = (i + 1) * block
-        logits = jnp.einsum("bgqk,bgsk->bgqs", _rows(q, i, block, groups),
-                            k_BxGxSxK[:, :, :stop], preferred_element_type=jnp.float32)
         logits = jnp.where(_mask(i, block, heads // groups, segment_ids),
-                           logits * dim ** -0.5, jnp.finfo(jnp.float32).min)
+                           _scaled_logits(q, k_BxGxSxK, i, block), jnp.finfo(jnp.float32).min)
         peak = jnp.max(logits, axis=-1, keepdims=True)
         weights = jnp.exp(logits - peak)
         total = jnp.sum(weights, axis=-1, keepdims=True)
@@ -97,9 +101,8 @@ def _attention_fwd(chunks: int, q, k, v, segment_ids):
 
 def _attention_bwd(chunks: int, residuals, d_out):
     q, k, v, segment_ids, out, lses = residuals
-    batch, length, heads, dim = q.shape
-    groups, block = k.shape[2], length // chunks
-    scale = dim ** -0.5
+    heads, groups, block = q.shape[2], k.shape[2], q.shape[1] // chunks
+    scale = q.shape[3] ** -0.5
     k_BxGxSxK, v_BxGxSxK = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
     # d(softmax) needs rowsum(P * dP) = rowsum(dO * O): a sum over K, not over the keys.
     delta_BxLxHx1 = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1,
@@ -111,9 +114,8 @@ def _attention_bwd(chunks: int, residuals, d_out):
         stop = (i + 1) * block
         q_rows, d_rows = _rows(q, i, block, groups), _rows(d_out, i, block, groups)
         keys, values = k_BxGxSxK[:, :, :stop], v_BxGxSxK[:, :, :stop]
-        logits = jnp.einsum("bgqk,bgsk->bgqs", q_rows, keys, preferred_element_type=jnp.float32)
         probs = jnp.where(_mask(i, block, heads // groups, segment_ids),
-                          jnp.exp(logits * scale - lses[i]), 0.0)
+                          jnp.exp(_scaled_logits(q, k_BxGxSxK, i, block) - lses[i]), 0.0)
         d_probs = jnp.einsum("bgqk,bgsk->bgqs", d_rows, values,
                              preferred_element_type=jnp.float32)
         d_logits = (probs * (d_probs - _rows(delta_BxLxHx1, i, block, groups))).astype(q.dtype)
