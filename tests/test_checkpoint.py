@@ -110,6 +110,35 @@ def test_other_model_shape_is_named(tmp_path):
         checkpoints.restore(2, other.abstract_canonical_state(), other.config)
 
 
+def test_saving_a_replicated_state_on_cpu_compiles_nothing(tmp_path):
+    # Orbax's default would split each replicated array among its replicas with a device
+    # slicing program per shape: seconds of compiles at a run's first save, for nothing when
+    # the replicas share one process's memory.
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    state = {f"w{i}": jax.device_put(np.arange(24 * (40 + i), dtype=np.float32)
+                                     .reshape(24, 40 + i), replicated) for i in range(3)}
+    compiles = []
+
+    def listener(event, seconds, **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(seconds)
+
+    config = make_config()
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        checkpoints = Checkpointer(tmp_path, keep=1)
+        checkpoints.save(1, state, {}, config)
+        checkpoints.wait()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert compiles == []
+    restored, _ = checkpoints.restore(1, jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state), config)
+    for name, array in state.items():
+        np.testing.assert_array_equal(restored[name], array)
+
+
 def test_damaged_or_unfinished_checkpoints(tmp_path):
     config, trainer, _, checkpoints = trained_state({"mesh.data": 8}, tmp_path)
     # A save killed midway leaves only Orbax's temporary folder, which is never "latest".

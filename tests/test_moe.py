@@ -179,7 +179,7 @@ def test_moe_tiny_trains_with_expert_parallelism(tmp_path):
     assert config_lib.load("configs/mixtral-8x7b.yaml").moe.num_experts == 8
     result = subprocess.run(
         [sys.executable, "-m", "jaxtron.train", "--config", "configs/moe-tiny.yaml",
-         "train.steps=30", "train.log_every=10", "train.eval_every=30",
+         "train.steps=30", "train.log_every=10", "train.eval_every=30", "train.batch_size=8", "data.seq_len=64",
          f"train.run_dir={tmp_path}", "data.builtin_max_bytes=400000"],
         capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
