@@ -18,6 +18,7 @@ from pathlib import Path
 import jax
 import orbax.checkpoint as ocp
 from orbax.checkpoint._src.metadata import array_metadata_store
+from orbax.checkpoint._src.serialization import type_handler_registry
 
 from jaxtron import config as config_lib
 from jaxtron.errors import JaxtronError
@@ -37,9 +38,11 @@ def write_each_array_from_one_replica() -> None:
     the writing. Simulated CPU devices live in one process and one memory, so the split only
     adds a device slicing program per array shape: about 4 s of compiles at a run's first save
     of a small model. (Orbax already makes this choice on GPU.)"""
-    handler = ocp.type_handlers.ArrayHandler(array_metadata_store=array_metadata_store.Store(),
-                                             use_replica_parallel=False)
-    ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
+    registry = type_handler_registry.GLOBAL_TYPE_HANDLER_REGISTRY
+    if getattr(registry.get(jax.Array), "_use_replica_parallel", False):
+        handler = ocp.type_handlers.ArrayHandler(
+            array_metadata_store=array_metadata_store.Store(), use_replica_parallel=False)
+        registry.add(jax.Array, handler, override=True, ignore_warnings=True)
 
 
 class Checkpointer:

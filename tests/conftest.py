@@ -3,8 +3,14 @@
 import json
 import os
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           " --xla_force_host_platform_device_count=8").strip()
+# The tests compile far more than they run: their models are tiny and nearly every test builds
+# new programs. LLVM's optimisation level 0 cuts XLA:CPU's compile time by about 40%; the HLO
+# passes (sharding propagation, SPMD partitioning, fusion, scheduling, buffer assignment) are
+# those of a real run, and the arithmetic differs only at round-off. Subprocesses inherit it.
+FAST_COMPILE_FLAG = "--xla_backend_optimization_level=0"
+os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""),
+                                    "--xla_force_host_platform_device_count=8",
+                                    FAST_COMPILE_FLAG]).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
@@ -35,6 +41,13 @@ def compilation_cache(tmp_path_factory):
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     return path
+
+
+def long_run_env() -> dict:
+    """The environment for a CLI run of many steps, where run time outweighs compile time: the
+    flags a user has (LLVM's default optimisation level)."""
+    flags = os.environ["XLA_FLAGS"].replace(FAST_COMPILE_FLAG, "").strip()
+    return dict(os.environ, XLA_FLAGS=flags)
 
 
 def make_config(overrides: dict | None = None, model: dict | None = None, **sections):

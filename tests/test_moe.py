@@ -16,7 +16,7 @@ from jaxtron.flops import matmul_params
 from jaxtron.models.moe import MoE, capacity, capacity_slots, load_balancing_loss, route
 from jaxtron.trainer import Trainer
 
-from conftest import make_config, metric_records
+from conftest import long_run_env, make_config, metric_records
 
 
 def moe_layer(**moe):
@@ -179,9 +179,9 @@ def test_moe_tiny_trains_with_expert_parallelism(tmp_path):
     assert config_lib.load("configs/mixtral-8x7b.yaml").moe.num_experts == 8
     result = subprocess.run(
         [sys.executable, "-m", "jaxtron.train", "--config", "configs/moe-tiny.yaml",
-         "train.steps=30", "train.log_every=10", "train.eval_every=30", "train.batch_size=8", "data.seq_len=64",
-         f"train.run_dir={tmp_path}", "data.builtin_max_bytes=400000"],
-        capture_output=True, text=True, timeout=600)
+         "train.steps=30", "train.log_every=10", "train.eval_every=30", "train.batch_size=8",
+         "data.seq_len=64", f"train.run_dir={tmp_path}", "data.builtin_max_bytes=400000"],
+        capture_output=True, text=True, timeout=600, env=long_run_env())
     assert result.returncode == 0, result.stderr[-3000:]
     records = metric_records(tmp_path)
     assert records[-1]["loss"] < records[0]["loss"] - 0.5

@@ -13,7 +13,7 @@ from jaxtron.pipeline.layout import split_layers
 from jaxtron.pipeline.schedule import BACKWARD, FORWARD, IDLE, build_table
 from jaxtron.trainer import Trainer
 
-from conftest import make_config, metric_records
+from conftest import long_run_env, make_config, metric_records
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
@@ -163,7 +163,8 @@ def test_train_cli_with_two_stages(tmp_path):
         [sys.executable, "-m", "jaxtron.train", "--config", "configs/tiny.yaml",
          "mesh.stage=2", "mesh.data=4", "pipeline.microbatches=2", "train.steps=20",
          "train.log_every=10", "train.eval_every=20", f"train.run_dir={tmp_path}",
-         "data.builtin_max_bytes=400000"], capture_output=True, text=True, timeout=600)
+         "data.builtin_max_bytes=400000"], capture_output=True, text=True, timeout=600,
+        env=long_run_env())
     assert result.returncode == 0, result.stderr[-3000:]
     records = metric_records(tmp_path)
     assert records[-1]["loss"] < records[0]["loss"] and "eval_loss" in records[-1]

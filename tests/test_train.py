@@ -13,7 +13,7 @@ from jaxtron.data.pipeline import open_dataset, train_batches
 from jaxtron.step import accumulated_grads, plain_grads
 from jaxtron.trainer import Trainer
 
-from conftest import make_config, metric_records
+from conftest import long_run_env, make_config, metric_records
 
 
 def test_overfits_one_batch():
@@ -72,7 +72,7 @@ def test_cli_trains_tiny_config_and_writes_metrics(tmp_path):
          "train.steps=60", "train.log_every=10", "train.eval_every=30",
          f"train.run_dir={run_dir}", "data.builtin_max_bytes=400000", "train.tensorboard=true",
          "train.profile_steps=[40,41]"],
-        capture_output=True, text=True, timeout=600)
+        capture_output=True, text=True, timeout=600, env=long_run_env())
     assert result.returncode == 0, result.stderr[-3000:]
     records = metric_records(run_dir)
     assert [r["step"] for r in records] == [10, 20, 30, 40, 50, 60]
