@@ -8,6 +8,8 @@ training step each. PyTorch uses `scaled_dot_product_attention`; jaxtron is the 
 `jaxtron.train` runs, on one device, as configured and with `model.remat=save_dots` (on a CPU,
 recomputing a block's elementwise work is cheaper than storing it). They alternate for
 `--rounds` rounds and ratios of the medians are printed, so machine noise hits all alike.
+Each line also shows the cores kept busy (process CPU time over wall time; PyTorch's OpenMP
+threads spin while they wait, so its figure is an upper bound on useful work).
 """
 
 from __future__ import annotations
@@ -98,11 +100,13 @@ def jaxtron_step(*overrides: str):
     return step
 
 
-def timed(step, steps: int) -> float:
-    start = time.perf_counter()
+def timed(step, steps: int) -> tuple[float, float]:
+    """-> (seconds per step, cores kept busy: process CPU time over wall time)."""
+    start, cpu_start = time.perf_counter(), time.process_time()
     for _ in range(steps):
         step()
-    return (time.perf_counter() - start) / steps
+    wall = time.perf_counter() - start
+    return wall / steps, (time.process_time() - cpu_start) / wall
 
 
 def main() -> int:
@@ -120,12 +124,16 @@ def main() -> int:
     for step in steps.values():
         step()  # warm up (compile, allocator)
     times = {name: [] for name in steps}
+    busy = {name: [] for name in steps}
     for _ in range(args.rounds):
         for name, step in steps.items():
-            times[name].append(timed(step, args.steps))
+            seconds, cores = timed(step, args.steps)
+            times[name].append(seconds)
+            busy[name].append(cores)
     medians = {name: statistics.median(values) for name, values in times.items()}
     for name, median in medians.items():
-        print(f"{name:26} {BATCH * SEQ / median:8,.0f} tok/s (median step {1e3 * median:.0f} ms)"
+        print(f"{name:26} {BATCH * SEQ / median:8,.0f} tok/s (median step {1e3 * median:.0f} ms, "
+              f"{statistics.median(busy[name]):.2f} cores busy)"
               + ("" if name == "pytorch" else
                  f"  {medians['pytorch'] / median:.2f} x pytorch's throughput"))
     return 0
