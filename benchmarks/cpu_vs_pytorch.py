@@ -5,8 +5,9 @@
 The model is GPT-2 style (learned positions, LayerNorm, GELU, biases, tied embeddings), 6
 layers, width 384, 6 heads, sequence 256, batch 8, fp32, AdamW with clipping: one full
 training step each. PyTorch uses `scaled_dot_product_attention`; jaxtron is the step
-`jaxtron.train` runs, on one device, as configured and with `model.remat=save_dots` (on a CPU,
-recomputing a block's elementwise work is cheaper than storing it). They alternate for
+`jaxtron.train` runs, on one device, as configured, with `model.remat=save_dots` (on a CPU,
+recomputing a block's elementwise work is cheaper than storing it) and with
+`JAXTRON_CPU_MATMULS=xla` (XLA's own matmul library instead of oneDNN). They alternate for
 `--rounds` rounds and ratios of the medians are printed, so machine noise hits all alike.
 Each line also shows the cores kept busy (process CPU time over wall time; PyTorch's OpenMP
 threads spin while they wait, so its figure is an upper bound on useful work).
@@ -23,6 +24,7 @@ import time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 LAYERS, WIDTH, HEADS, SEQ, BATCH, VOCAB = 6, 384, 6, 256, 8, 256
+CPU_MATMULS = "JAXTRON_CPU_MATMULS"
 
 
 def torch_step():
@@ -75,7 +77,7 @@ def torch_step():
     return step
 
 
-def jaxtron_step(*overrides: str):
+def jaxtron_step(*overrides: str, matmuls: str = "onednn"):
     import jax
 
     from jaxtron import bench
@@ -88,6 +90,7 @@ def jaxtron_step(*overrides: str):
         "mesh.data=1", *overrides])
     from jaxtron.trainer import Trainer
 
+    os.environ[CPU_MATMULS] = matmuls  # read when the Trainer builds its steps
     trainer = Trainer(config, jax.devices()[:1])
     state = {"state": trainer.init_state()}
     batch = trainer.put_batch({"tokens": bench.random_tokens(config)})
@@ -117,6 +120,7 @@ def main() -> int:
     try:
         steps = {"jaxtron": jaxtron_step(),
                  "jaxtron, remat=save_dots": jaxtron_step("model.remat=save_dots"),
+                 "jaxtron, XLA's matmuls": jaxtron_step(matmuls="xla"),
                  "pytorch": torch_step()}
     except ImportError as err:
         print(f"skipped: {err}; pip install torch to compare")

@@ -30,6 +30,7 @@ import jax
 import numpy as np
 
 from jaxtron import config as config_lib
+from jaxtron.cpu_matmuls import compiler_options
 from jaxtron.errors import exits_on_user_error
 from jaxtron.export import single_device_config
 from jaxtron.flops import hardware_flops_per_token, peak_flops, training_flops_per_token
@@ -82,7 +83,7 @@ def bench_jaxtron(config, devices, warmup, steps, repeats) -> dict:
 def bench_plain(config, device, warmup, steps, repeats) -> float:
     from jaxtron import plain_llama
 
-    init_state, step = plain_llama.make_step(config)
+    init_state, step = plain_llama.make_step(config, compiler_options([device]))
     with jax.default_device(device):
         state = init_state()
         tokens = jax.device_put(random_tokens(config), device)

@@ -14,6 +14,7 @@ import numpy as np
 import optax
 
 from jaxtron.config import Config
+from jaxtron.cpu_matmuls import keep_until_exit
 
 
 def init_params(config: Config, seed: int = 0) -> dict:
@@ -78,8 +79,12 @@ def loss_fn(params, tokens, config: Config):
     return -jnp.mean(jnp.take_along_axis(log_probs, targets[..., None], -1))
 
 
-def make_step(config: Config):
-    """-> (init_state(), jitted step(state, tokens) -> (state, loss))."""
+def make_step(config: Config, compiler_options: dict | None = None):
+    """-> (init_state(), jitted step(state, tokens) -> (state, loss)).
+
+    `compiler_options` are XLA's, as `jax.jit` takes them: the benchmark passes the ones the
+    jaxtron step compiles with, so the two steps differ only in how they are written.
+    """
     o = config.optim
     tx = optax.chain(optax.clip_by_global_norm(o.grad_clip),
                      optax.adamw(o.lr, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay))
@@ -94,4 +99,7 @@ def make_step(config: Config):
         updates, opt_state = tx.update(grads, opt_state, params)
         return (optax.apply_updates(params, updates), opt_state), loss
 
-    return init_state, jax.jit(step, donate_argnums=0)
+    jitted = jax.jit(step, donate_argnums=0, compiler_options=compiler_options)
+    if compiler_options:
+        keep_until_exit(jitted)
+    return init_state, jitted

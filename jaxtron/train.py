@@ -152,8 +152,9 @@ def run(config: config_lib.Config) -> dict:
     batch = trainer.put_batch(next(batches))
     compiled = trainer.compile_step(state, batch)
     if is_main:
-        print(f"compiled the train step in {time.perf_counter() - compile_start:.1f} s; "
-              f"run dir {run_dir}", flush=True)
+        library = " (matmuls on oneDNN)" if trainer.compiler_options else ""
+        print(f"compiled the train step in {time.perf_counter() - compile_start:.1f} s"
+              f"{library}; run dir {run_dir}", flush=True)
 
     def evaluate(params_state) -> float:
         losses = [trainer.eval_loss(params_state, trainer.put_batch(b)) for b in held_out]

@@ -18,6 +18,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxtron.config import Config
+from jaxtron.cpu_matmuls import compiler_options, keep_until_exit
 from jaxtron.errors import ConfigError
 from jaxtron.models import Transformer
 from jaxtron.optim import build_optimizer, learning_rate
@@ -56,15 +57,19 @@ class Trainer:
                 abstract.params, optimizer_rules(config), self.mesh))
         if config.optim.grad_accum > 1:
             grad_fn = accumulated_grads(grad_fn, config.optim.grad_accum)
+        self.compiler_options = options = compiler_options(self.mesh.devices)
         self._step = jax.jit(make_train_step(self.tx, self.schedule, grad_fn),
                              in_shardings=(self.state_shardings, self.batch_sharding),
                              out_shardings=(self.state_shardings, replicated),
-                             donate_argnums=0)
+                             donate_argnums=0, compiler_options=options)
         self._grads = jax.jit(grad_fn, in_shardings=(self.state_shardings.params,
-                                                     self.batch_sharding))
+                                                     self.batch_sharding),
+                              compiler_options=options)
         self._eval = jax.jit(make_eval_step(self.loss_fn, self.to_model_params),
                              in_shardings=(self.state_shardings.params, self.batch_sharding),
-                             out_shardings=replicated)
+                             out_shardings=replicated, compiler_options=options)
+        if options:
+            keep_until_exit(self._step, self._grads, self._eval)
 
     def _shardings(self, abstract: TrainState) -> TrainState:
         """Parameters by the parameter rules, optimizer state by the (ZeRO) optimizer rules."""
@@ -96,7 +101,10 @@ class Trainer:
     def compile_step(self, state: TrainState, batch: dict):
         """Ahead-of-time compile the step for these shapes (for timing and memory analysis)."""
         with self._tracing():
-            return self._step.lower(state, batch).compile()
+            compiled = self._step.lower(state, batch).compile()
+        if self.compiler_options:
+            keep_until_exit(compiled)
+        return compiled
 
     def step(self, state: TrainState, batch: dict) -> tuple[TrainState, dict]:
         with self._tracing():
