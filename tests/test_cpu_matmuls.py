@@ -54,28 +54,28 @@ def test_onednn_step_matches_xla_step(monkeypatch, no_persistent_cache):
 
 
 @needs_onednn
-def test_options_only_for_one_cpu_device_without_a_persistent_cache(monkeypatch):
+def test_a_persistent_compilation_cache_keeps_xlas_matmuls(monkeypatch):
+    # The tests run with JAX's persistent compilation cache, which cannot store oneDNN steps.
+    monkeypatch.delenv(ENV, raising=False)
+    assert jax.config.jax_compilation_cache_dir
+    assert compiler_options(jax.devices()[:1]) is None
+
+
+@needs_onednn
+def test_options_only_for_one_cpu_device(monkeypatch, no_persistent_cache):
     monkeypatch.delenv(ENV, raising=False)
     one_cpu = jax.devices()[:1]
-    # The tests run with JAX's persistent compilation cache, which cannot store oneDNN steps.
-    assert jax.config.jax_compilation_cache_dir
+    assert compiler_options(one_cpu)["xla_cpu_use_onednn"] is True
+    # Several devices would run one oneDNN executable concurrently: XLA then aborts when the
+    # executable is freed (object_pool.h, "available_.size() == num_created_").
+    assert compiler_options(jax.devices()[:2]) is None
+
+    class Accelerator:
+        platform = "gpu"
+
+    assert compiler_options([Accelerator()]) is None
+    monkeypatch.setenv(ENV, "xla")
     assert compiler_options(one_cpu) is None
-    path = jax.config.jax_compilation_cache_dir
-    try:
-        jax.config.update("jax_compilation_cache_dir", None)
-        assert compiler_options(one_cpu)["xla_cpu_use_onednn"] is True
-        # Several devices would run one oneDNN executable concurrently: XLA then aborts when
-        # the executable is freed (object_pool.h, "available_.size() == num_created_").
-        assert compiler_options(jax.devices()[:2]) is None
-
-        class Accelerator:
-            platform = "gpu"
-
-        assert compiler_options([Accelerator()]) is None
-        monkeypatch.setenv(ENV, "xla")
-        assert compiler_options(one_cpu) is None
-    finally:
-        jax.config.update("jax_compilation_cache_dir", path)
 
 
 def test_unknown_library_names_the_variable(monkeypatch):
