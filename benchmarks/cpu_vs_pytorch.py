@@ -24,7 +24,6 @@ import time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 LAYERS, WIDTH, HEADS, SEQ, BATCH, VOCAB = 6, 384, 6, 256, 8, 256
-CPU_MATMULS = "JAXTRON_CPU_MATMULS"
 
 
 def torch_step():
@@ -88,9 +87,10 @@ def jaxtron_step(*overrides: str, matmuls: str = "onednn"):
         f"model.num_heads={HEADS}", "model.num_kv_heads=null", f"model.mlp_dim={4 * WIDTH}",
         f"model.vocab_size={VOCAB}", f"data.seq_len={SEQ}", f"train.batch_size={BATCH}",
         "mesh.data=1", *overrides])
+    from jaxtron.cpu_matmuls import ENV
     from jaxtron.trainer import Trainer
 
-    os.environ[CPU_MATMULS] = matmuls  # read when the Trainer builds its steps
+    os.environ[ENV] = matmuls  # read when the Trainer builds its steps
     trainer = Trainer(config, jax.devices()[:1])
     state = {"state": trainer.init_state()}
     batch = trainer.put_batch({"tokens": bench.random_tokens(config)})
