@@ -49,7 +49,8 @@ class ModelConfig:
     rope_theta: float = _f(10000.0, "RoPE base frequency (llama)")
     norm_eps: float = _f(1e-5, "epsilon of RMSNorm / LayerNorm")
     init_std: float = _f(0.02, "standard deviation of the normal weight initialiser")
-    dtype: str = _f("float32", "compute dtype of activations and matmuls", COMPUTE_DTYPES)
+    dtype: str = _f("auto", "compute dtype of activations and matmuls (auto = bfloat16 on "
+                    "GPUs and TPUs, float32 on CPU)", ("auto", *COMPUTE_DTYPES))
     param_dtype: str = _f("float32", "storage dtype of parameters (master weights)", COMPUTE_DTYPES)
     remat: str = _f("none", "activation recompute policy for each block", REMAT_POLICIES)
     scan_layers: bool = _f(True, "run blocks with lax.scan (compile time flat in depth)")
@@ -61,6 +62,14 @@ class ModelConfig:
     @property
     def kv_heads(self) -> int:
         return self.num_kv_heads or self.num_heads
+
+    @property
+    def compute_dtype(self) -> str:
+        """`dtype` with `auto` resolved. A Trainer resolves it for its mesh's platform
+        (`platforms.for_platform`); a model built directly resolves it for this process's
+        default devices."""
+        from jaxtron.platforms import compute_dtype, local_platform
+        return self.dtype if self.dtype != "auto" else compute_dtype("auto", local_platform())
 
     @property
     def resolved_head_dim(self) -> int:

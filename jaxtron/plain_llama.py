@@ -53,7 +53,7 @@ def _rope(x, theta):
 
 def loss_fn(params, tokens, config: Config):
     m = config.model
-    dtype, h, g, k = jnp.dtype(m.dtype), m.num_heads, m.kv_heads, m.resolved_head_dim
+    dtype, h, g, k = jnp.dtype(m.compute_dtype), m.num_heads, m.kv_heads, m.resolved_head_dim
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     b, length = inputs.shape
     x = params["embed"].astype(dtype)[inputs]

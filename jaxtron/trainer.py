@@ -12,6 +12,8 @@ step is jitted once with the state donated.
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import numpy as np
 from flax import nnx
@@ -23,6 +25,7 @@ from jaxtron.errors import ConfigError
 from jaxtron.models import Transformer
 from jaxtron.optim import build_optimizer, learning_rate
 from jaxtron.pipelined import PipelinedTransformer
+from jaxtron.platforms import building_for, for_platform, platform_of
 from jaxtron.sharding.mesh import build_mesh
 from jaxtron.sharding.rules import (activation_rules, activation_sharding, check_rules,
                                     optimizer_rules, param_rules, spec_for, variable_shardings)
@@ -31,9 +34,13 @@ from jaxtron.step import (TrainState, accumulated_grads, make_eval_step, make_lo
 
 
 class Trainer:
-    def __init__(self, config: Config, devices=None):
-        self.config = config
+    def __init__(self, config: Config, devices=None, platform: str | None = None):
+        """`platform` (cpu, cuda, rocm, tpu) is what the step is built for: by default that of
+        the mesh's devices. Another one is for lowering checks on this machine (`--dry-run
+        --target`): `model.dtype: auto` and the attention kernels follow it."""
         self.mesh = build_mesh(config.mesh, devices)
+        self.platform = platform or platform_of(self.mesh.devices.flat[0])
+        self.config = config = for_platform(config, self.platform)
         self.param_rules, self.activation_rules = param_rules(config), activation_rules(config)
         check_rules(self.param_rules)
         check_rules(self.activation_rules)
@@ -95,8 +102,10 @@ class Trainer:
         with self._tracing():
             return jax.jit(self._init, out_shardings=self.state_shardings)()
 
+    @contextlib.contextmanager
     def _tracing(self):
-        return activation_sharding(self.mesh, self.activation_rules)
+        with activation_sharding(self.mesh, self.activation_rules), building_for(self.platform):
+            yield
 
     def compile_step(self, state: TrainState, batch: dict):
         """Ahead-of-time compile the step for these shapes (for timing and memory analysis)."""
@@ -105,6 +114,13 @@ class Trainer:
         if self.compiler_options:
             keep_until_exit(compiled)
         return compiled
+
+    def lower_step(self):
+        """The step lowered from abstract shapes for the platform it is built for, without
+        compiling: how a step for GPUs or TPUs is checked on a CPU machine."""
+        with self._tracing():
+            traced = self._step.trace(self.abstract_state(), self.abstract_batch())
+        return traced.lower(lowering_platforms=(self.platform,))
 
     def step(self, state: TrainState, batch: dict) -> tuple[TrainState, dict]:
         with self._tracing():

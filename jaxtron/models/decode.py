@@ -33,14 +33,14 @@ from jaxtron.models.layers import Attention
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> dict:
     """Zeroed k/v caches [N, B, S, G, K] in the compute dtype (or `dtype`)."""
     shape = (cfg.num_layers, batch, max_len, cfg.kv_heads, cfg.resolved_head_dim)
-    dt = jnp.dtype(dtype or cfg.dtype)
+    dt = jnp.dtype(dtype or cfg.compute_dtype)
     return {"k": jnp.zeros(shape, dt), "v": jnp.zeros(shape, dt)}
 
 
 def embed(embedder, tokens_BxL, position):
     """`Embedder.__call__` for tokens that start at `position` rather than at 0."""
     cfg = embedder.cfg
-    dt = jnp.dtype(cfg.dtype)
+    dt = jnp.dtype(cfg.compute_dtype)
     x_BxLxD = jnp.take(embedder.embed[...], tokens_BxL, axis=0).astype(dt)
     if cfg.type == "gpt2":
         pos_LxD = jax.lax.dynamic_slice_in_dim(embedder.pos_embed[...], position,

@@ -46,7 +46,7 @@ class Embedder(nnx.Module):
                                    (None, "embed"), cfg.param_dtype)
 
     def __call__(self, tokens_BxL):
-        dt = jnp.dtype(self.cfg.dtype)
+        dt = jnp.dtype(self.cfg.compute_dtype)
         # In the compute layout (activation rules) the table is split by vocabulary only: a
         # vocab-parallel lookup whose partial rows are summed across the tensor axis.
         table_VxD = constrain(self.embed[...], ("vocab", "embed"))

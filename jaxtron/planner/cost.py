@@ -65,7 +65,7 @@ def intra_node(layout: Layout, axis: str, node_size: int) -> bool:
 
 def communication(config: Config, layout: Layout) -> dict:
     m = config.model
-    e = np.dtype(m.dtype).itemsize
+    e = np.dtype(m.compute_dtype).itemsize
     degrees = layout.degrees()
     ring = {a: (n - 1) / n for a, n in degrees.items()}
     params, _, _ = state_bytes(config, dataclasses.replace(layout, zero_stage=0))

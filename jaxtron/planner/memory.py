@@ -117,7 +117,7 @@ def _with_layout(config: Config, layout: Layout) -> Config:
 def layer_activation_bytes(config: Config, layout: Layout, tokens: int, policy: str) -> float:
     """Bytes one block keeps for the backward, for `tokens` tokens of one sequence shard."""
     m = config.model
-    e = np.dtype(m.dtype).itemsize
+    e = np.dtype(m.compute_dtype).itemsize
     t = layout.tensor
     r = t if layout.sequence_parallel else 1
     kv_split = t if m.kv_heads % t == 0 else 1
@@ -154,7 +154,7 @@ def predict(config: Config, layout: Layout) -> Memory:
     """Per-device bytes of `config` run under `layout`."""
     params, moments, grads = state_bytes(config, layout)
     m = config.model
-    e = np.dtype(m.dtype).itemsize
+    e = np.dtype(m.compute_dtype).itemsize
     tokens = microbatch_sequences(config, layout) * config.data.seq_len // layout.sequence
     layers = math.ceil(m.num_layers / layout.stage)
     working = BACKWARD_WORKING_BLOCKS * layer_activation_bytes(config, layout, tokens, "none")

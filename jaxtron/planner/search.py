@@ -20,6 +20,7 @@ from jaxtron.planner.cost import Cost, estimate
 from jaxtron.planner.hardware import Hardware
 from jaxtron.planner.layout import Layout, apply
 from jaxtron.planner.memory import Memory, predict
+from jaxtron.platforms import for_platform
 
 REMATS = ("none", "save_dots", "full")
 
@@ -132,6 +133,8 @@ class Plan:
 
 def plan(config: Config, devices: int, hardware: Hardware, budget: int,
          platform: str = "gpu") -> Plan:
+    # The planner's "gpu" is a CUDA machine; `model.dtype: auto` then means bf16.
+    config = for_platform(config, "cuda" if platform == "gpu" else platform)
     considered, fitting = 0, []
     for candidate in candidates(config, devices, hardware, platform):
         considered += 1
