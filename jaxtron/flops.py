@@ -20,7 +20,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxtron.config import ModelConfig, MoEConfig
-from jaxtron.kernels.attention import AttentionImpl, impl_on
+from jaxtron.kernels.attention import Kernel, configured_kernel
+from jaxtron.platforms import local_platform
 
 # Dense bf16 tensor-core peaks per device, FLOP/s (vendor datasheets, without sparsity).
 PEAK_FLOPS_BY_KIND = {
@@ -89,8 +90,8 @@ def save_dots_repeats_attention(config, platform: str | None = None) -> bool:
     """Whether `remat: save_dots` runs the attention forward again in the backward. The
     blockwise (xla) and pallas kernels name their output and log-sum-exp, which the policy
     keeps; cuDNN's and ring attention's (a `sequence` mesh axis) residuals have no names."""
-    impl = impl_on(config.model.attention_impl, platform or jax.default_backend())
-    return config.mesh.sequence > 1 or impl is AttentionImpl.CUDNN
+    platform = {"gpu": "cuda"}.get(platform, platform) or local_platform()
+    return configured_kernel(config, platform) in (Kernel.RING, Kernel.CUDNN)
 
 
 def hardware_flops_per_token(config, platform: str | None = None) -> float:

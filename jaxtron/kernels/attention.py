@@ -1,125 +1,165 @@
-"""The one attention entry point the model calls, dispatching on an enum.
+"""The one attention entry point the model calls, and which kernel runs on which platform.
 
-`xla` is plain XLA (causal self-attention skips the masked blocks, `blockwise.py`; anything
-else runs the reference, `reference.py`); `cudnn` is JAX's fused cuDNN path (NVIDIA GPUs only); `pallas`
-is our flash attention (`flash.py`: Triton on a GPU, slow interpret mode elsewhere, for tests);
-`auto` takes cuDNN on a GPU and plain XLA elsewhere. When the step is traced on a mesh with a
-`sequence` axis (context parallelism), every implementation runs as ring attention.
+`model.attention_impl` states a preference; the kernel that runs depends on the platform the
+step is lowered for (`jaxtron.platforms`), the compute dtype and the head dim:
 
-A Pallas call has no SPMD partitioning rule: GSPMD can only replicate it (each device computing
-every head of every row) or refuse it. On a mesh, `pallas` therefore runs inside a `shard_map`
-over the batch axes and the tensor axis, each device calling the kernel on its own rows and
-query heads. With grouped-query attention the kv heads are split alongside the query heads when
-the tensor degree divides them; otherwise they are replicated (see REPLICATE_IF_INDIVISIBLE in
-sharding/rules.py) and each device picks out the kv heads its query heads read, so no query
-head is ever paired with another group's keys.
+| impl     | cpu              | cuda                                  | rocm   | tpu    |
+|----------|------------------|---------------------------------------|--------|--------|
+| `auto`   | xla (blockwise)  | cuDNN where it serves, else Triton    | Triton | splash |
+| `pallas` | Pallas, interpreted | Triton                             | Triton | splash |
+| `xla`    | xla              | xla                                   | xla    | xla    |
+| `cudnn`  | error            | cuDNN                                 | error  | error  |
+
+cuDNN serves bf16/fp16 with a head dim that is a multiple of 8 and at most 128 (256 on Hopper),
+without packed segments (JAX's cuDNN call takes no segment ids). Triton is our flash attention
+(`flash.py`), splash is JAX's TPU kernel (`splash.py`), xla is plain XLA (`blockwise.py` for
+causal self-attention, else `reference.py`).
+
+Which platform: a Trainer traces its steps for one (`platforms.building_for`: its mesh's
+devices, or the `--dry-run --target` being checked), and the kernel is chosen while tracing.
+Traced anywhere else, `attention` stages every platform's kernel with
+`jax.lax.platform_dependent` and lowering keeps only the branch of the platform it lowers for,
+so one jitted function lowers to blockwise XLA for CPU, Triton for CUDA and ROCm and splash for
+TPU, on whatever machine traces it. (Trainers avoid that form: under autodiff the branches'
+residuals are joined, and XLA then keeps a q-sized stacked buffer per layer that only another
+platform's kernel needed.) cuDNN can only be traced where cuDNN is installed, so on a machine
+without it the CUDA kernel is Triton.
+
+When the step is traced on a mesh with a `sequence` axis (context parallelism), every
+implementation runs as ring attention. On other meshes the Pallas kernels run per device
+(`per_device.py`); cuDNN and XLA are partitioned by GSPMD.
 """
 
 from __future__ import annotations
 
 import enum
-import math
+import functools
 
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import Mesh, PartitionSpec
 
 from jaxtron.errors import ConfigError
 from jaxtron.kernels.blockwise import blockwise_causal_attention
 from jaxtron.kernels.flash import flash_attention
+from jaxtron.kernels.per_device import per_device
 from jaxtron.kernels.reference import reference_attention
 from jaxtron.kernels.ring import ring_attention
-from jaxtron.sharding.rules import active_mesh, active_spec
+from jaxtron.kernels.splash import splash_attention
+from jaxtron.platforms import PLATFORMS, compute_dtype, cudnn_present, target_platform
+from jaxtron.sharding.rules import active_mesh
 
 
 class AttentionImpl(str, enum.Enum):
+    """What `model.attention_impl` asks for."""
     AUTO = "auto"
     XLA = "xla"
     CUDNN = "cudnn"
     PALLAS = "pallas"
 
 
-def impl_on(impl: str | AttentionImpl, platform: str) -> AttentionImpl:
-    """What `impl` runs as on `platform` ("gpu", "cpu", "tpu"), e.g. for predictions made
-    without that platform's devices."""
+class Kernel(str, enum.Enum):
+    """What actually runs."""
+    XLA = "xla"
+    CUDNN = "cudnn"
+    TRITON = "pallas-triton"
+    INTERPRET = "pallas-interpret"
+    SPLASH = "splash"
+    RING = "ring"
+
+
+def cudnn_serves(dtype, head_dim: int, segments: bool, hopper: bool = False) -> bool:
+    """Whether JAX's cuDNN flash attention takes these inputs (its own checks, restated)."""
+    return (jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and head_dim % 8 == 0
+            and head_dim <= (256 if hopper else 128) and not segments)
+
+
+def _hopper_here() -> bool:
+    capability = getattr(jax.devices()[0], "compute_capability", "0")
+    return float(capability) >= 9.0
+
+
+def kernel_for(impl, platform: str, *, dtype, head_dim: int, segments: bool = False,
+               cudnn_here: bool = True) -> Kernel:
+    """The kernel `impl` runs as on `platform` for these inputs. `cudnn_here`: whether cuDNN
+    can be traced in this process (False when lowering for CUDA on another machine)."""
     impl = AttentionImpl(impl)
-    if impl is AttentionImpl.AUTO:
-        return AttentionImpl.CUDNN if platform == "gpu" else AttentionImpl.XLA
-    return impl
+    hopper = cudnn_here and platform == "cuda" and cudnn_present() and _hopper_here()
+    if impl is AttentionImpl.XLA:
+        return Kernel.XLA
+    if impl is AttentionImpl.CUDNN:
+        if platform != "cuda" or not cudnn_here:
+            raise ConfigError(f"model.attention_impl=cudnn needs an NVIDIA GPU with cuDNN, but "
+                              f"the step is built for {platform} on a machine without it; use "
+                              "model.attention_impl=auto or pallas.")
+        if segments:  # packed documents: not expressible through jax.nn's cuDNN arguments
+            return Kernel.TRITON
+        if not cudnn_serves(dtype, head_dim, segments, hopper):
+            raise ConfigError(f"model.attention_impl=cudnn cannot take {jnp.dtype(dtype).name} "
+                              f"with head dim {head_dim} (cuDNN needs bf16/fp16 and a head dim "
+                              "that is a multiple of 8 up to 128, 256 on Hopper); use "
+                              "model.attention_impl=auto.")
+        return Kernel.CUDNN
+    if platform == "tpu":
+        return Kernel.SPLASH
+    if platform in ("cuda", "rocm"):
+        if (impl is AttentionImpl.AUTO and platform == "cuda" and cudnn_here
+                and cudnn_serves(dtype, head_dim, segments, hopper)):
+            return Kernel.CUDNN
+        return Kernel.TRITON
+    return Kernel.XLA if impl is AttentionImpl.AUTO else Kernel.INTERPRET
 
 
-def resolve_impl(impl: str | AttentionImpl) -> AttentionImpl:
-    impl = impl_on(impl, jax.default_backend())
-    if impl is AttentionImpl.CUDNN and jax.default_backend() != "gpu":
-        raise ConfigError("model.attention_impl=cudnn needs an NVIDIA GPU, but the backend is "
-                          f"{jax.default_backend()}; use model.attention_impl=auto or xla.")
-    return impl
+def configured_kernel(config, platform: str, cudnn_here: bool = True) -> Kernel:
+    """The kernel a config's model runs on `platform` (for reports and FLOP counts)."""
+    if config.mesh.sequence > 1:
+        return Kernel.RING
+    m = config.model
+    return kernel_for(m.attention_impl, platform, dtype=compute_dtype(m.dtype, platform),
+                      head_dim=m.resolved_head_dim, cudnn_here=cudnn_here)
 
 
 def attention(q, k, v, *, causal: bool = True, segment_ids=None, impl="auto"):
     """q_BxLxHxK, k/v_BxSxGxK -> out_BxLxHxK (G divides H: grouped-query attention)."""
-    impl = resolve_impl(impl)
+    impl = AttentionImpl(impl)
     mesh = active_mesh()
     if mesh is not None and mesh.shape.get("sequence", 1) > 1:
         if segment_ids is not None:
             raise ConfigError("packed segments are not supported with context parallelism; "
                               "set mesh.sequence=1 or train on unpacked windows.")
         return ring_attention(q, k, v, mesh=mesh, causal=causal)
-    if impl is AttentionImpl.PALLAS:
-        if mesh is not None and any(size > 1 for size in mesh.shape.values()):
-            return _flash_on_mesh(q, k, v, mesh, causal=causal, segment_ids=segment_ids)
-        return flash_attention(q, k, v, causal=causal, segment_ids=segment_ids)
-    if impl is AttentionImpl.CUDNN and segment_ids is None:
+    choose = functools.partial(kernel_for, impl, dtype=q.dtype, head_dim=q.shape[-1],
+                               segments=segment_ids is not None, cudnn_here=cudnn_present())
+    if impl is AttentionImpl.CUDNN:
+        return _run(choose("cuda"), q, k, v, segment_ids, causal=causal, mesh=mesh)
+    if target_platform() is not None:
+        return _run(choose(target_platform()), q, k, v, segment_ids, causal=causal, mesh=mesh)
+    kernels = {platform: choose(platform) for platform in PLATFORMS}
+    branches = {kernel: functools.partial(_run, kernel, causal=causal, mesh=mesh)
+                for kernel in set(kernels.values()) | {Kernel.XLA}}
+    if len(set(kernels.values())) == 1:
+        return branches[kernels["cpu"]](q, k, v, segment_ids)
+    # One branch per kernel (platform_dependent joins platforms that share a branch); plain
+    # XLA is the default for any platform not named.
+    per_platform = {p: branches[kernel] for p, kernel in kernels.items() if kernel != Kernel.XLA}
+    return lax.platform_dependent(q, k, v, segment_ids, default=branches[Kernel.XLA],
+                                  **per_platform)
+
+
+def _run(kernel: Kernel, q, k, v, segment_ids, *, causal: bool, mesh):
+    if kernel is Kernel.XLA:
+        if causal and q.shape[1] == k.shape[1]:
+            return blockwise_causal_attention(q, k, v, segment_ids=segment_ids)
+        return reference_attention(q, k, v, causal=causal, segment_ids=segment_ids)
+    if kernel is Kernel.CUDNN:
         return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
-    # Packed segments are not expressible through jax.nn's cuDNN arguments: use plain XLA.
-    if causal and q.shape[1] == k.shape[1]:
-        return blockwise_causal_attention(q, k, v, segment_ids=segment_ids)
-    return reference_attention(q, k, v, causal=causal, segment_ids=segment_ids)
-
-
-def _axes(entry) -> tuple[str, ...]:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-
-
-def _flash_on_mesh(q, k, v, mesh: Mesh, *, causal: bool, segment_ids):
-    """flash_attention per device: batch and heads split as the activation rules say.
-
-    Sequence and head-dim splits are not taken into the shard_map (GSPMD gathers them first):
-    each device needs whole rows of keys, and the kernel whole head vectors.
-    """
-    q_spec = active_spec(("batch", None, "heads", None), q.shape)
-    kv_spec = active_spec(("batch", None, "kv_heads", None), k.shape)
-    head_axes, kv_head_axes = _axes(q_spec[2]), _axes(kv_spec[2])
-    if kv_head_axes not in ((), head_axes):
-        raise ConfigError(f"pallas attention needs kv heads split like query heads or not at "
-                          f"all; the sharding rules split heads over {head_axes} and kv heads "
-                          f"over {kv_head_axes}; set model.attention_impl=xla, or choose "
-                          "mesh.tensor dividing model.num_kv_heads.")
-    heads, kv_heads = q.shape[2], k.shape[2]
-    local_heads = heads // math.prod(mesh.shape[a] for a in head_axes)
-    group = heads // kv_heads  # query heads per kv head
+    pallas = {Kernel.TRITON: functools.partial(flash_attention, interpret=False),
+              Kernel.INTERPRET: functools.partial(flash_attention, interpret=True),
+              Kernel.SPLASH: splash_attention}[kernel]
 
     def local(q, k, v, segment_ids):
-        if head_axes and not kv_head_axes:
-            # Whole kv heads on every device: keep those this device's query heads
-            # first .. first + local_heads - 1 read (query head h reads kv head h // group).
-            first = lax.axis_index(head_axes) * local_heads
-            if group % local_heads == 0:  # all of them read one kv head
-                k, v = (lax.dynamic_slice_in_dim(x, first // group, 1, axis=2) for x in (k, v))
-            else:  # local heads straddle groups unevenly: one kv head per query head
-                index = (first + jnp.arange(local_heads)) // group
-                k, v = (jnp.take(x, index, axis=2) for x in (k, v))
-        return flash_attention(q, k, v, causal=causal, segment_ids=segment_ids)
+        return pallas(q, k, v, causal=causal, segment_ids=segment_ids)
 
-    # Inside another shard_map (the pipeline's over `stage`) the context mesh has that axis
-    # manual already: map over the rest of it, so the kernel sits in a fully manual region.
-    # check_vma=False because pallas_call's output types carry no varying-axes annotation;
-    # shard_map then transposes the replicated kv heads' cotangents with a psum over tensor.
-    context = jax.sharding.get_abstract_mesh()
-    outer = set(context.manual_axes) if not context.empty else set()
-    seg_spec = None if segment_ids is None else PartitionSpec(q_spec[0])
-    mapped = jax.shard_map(local, mesh=context if not context.empty else mesh,
-                           in_specs=(q_spec, kv_spec, kv_spec, seg_spec), out_specs=q_spec,
-                           axis_names=set(mesh.axis_names) - outer, check_vma=False)
-    return mapped(q, k, v, segment_ids)
+    if mesh is not None and any(size > 1 for size in mesh.shape.values()):
+        return per_device(local, q, k, v, segment_ids, mesh)
+    return local(q, k, v, segment_ids)

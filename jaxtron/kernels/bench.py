@@ -11,6 +11,12 @@ FlashAttention benchmark (Dao 2023): the q.k and p.v matmuls, 4 * B * H * L * L 
 causal. An implementation that is unavailable here (cuDNN off an NVIDIA GPU) is skipped with a
 note; one that fails at a size (the XLA reference holds the [B, H, L, L] logits and runs out of
 memory at long sequences) is reported as failed at that size and the sweep goes on.
+
+Implementations: `xla`, `cudnn` and `pallas` are jaxtron's (`model.attention_impl`); `pallas`
+is Triton on a GPU. `jax-triton` is JAX's own Pallas/Triton attention
+(`jax.experimental.pallas.ops.gpu.attention.mha`), the yardstick for a hand-written Triton
+kernel; it has no grouped-query form, so its k and v are repeated to every query head first
+(that copy is timed with it). It runs on GPUs only.
 """
 
 from __future__ import annotations
@@ -24,8 +30,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxtron.kernels.attention import attention
+from jaxtron.platforms import local_platform
 
-IMPLS = ("xla", "cudnn", "pallas")
+IMPLS = ("xla", "cudnn", "pallas", "jax-triton")
 MODES = ("fwd", "fwd+bwd")
 DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16, "fp32": jnp.float32}
 DEFAULT_SEQ_LENS = tuple(2 ** n for n in range(10, 16))  # 1024 .. 32768
@@ -45,14 +52,28 @@ def attention_flops(batch: int, heads: int, seq_len: int, head_dim: int, causal:
 
 def unavailable(impl: str) -> str | None:
     """Why `impl` cannot run on this backend, or None."""
-    if impl == "cudnn" and jax.default_backend() != "gpu":
-        return f"cudnn skipped: needs an NVIDIA GPU, the backend is {jax.default_backend()}"
+    platform = local_platform()
+    if impl == "cudnn" and platform != "cuda":
+        return f"cudnn skipped: needs an NVIDIA GPU, the backend is {platform}"
+    if impl == "jax-triton" and platform not in ("cuda", "rocm"):
+        return f"jax-triton skipped: needs a GPU, the backend is {platform}"
     return None
+
+
+def jax_triton_attention(q, k, v, *, causal: bool):
+    """JAX's Pallas/Triton flash attention, k and v repeated to every query head."""
+    from jax.experimental.pallas.ops.gpu.attention import mha
+
+    repeat = q.shape[2] // k.shape[2]
+    k, v = (jnp.repeat(x, repeat, axis=2) for x in (k, v))
+    return mha(q, k, v, None, sm_scale=q.shape[-1] ** -0.5, causal=causal)
 
 
 def passes(impl: str, causal: bool) -> dict:
     """Jitted forward and forward + backward of one implementation."""
     def forward(q, k, v):
+        if impl == "jax-triton":
+            return jax_triton_attention(q, k, v, causal=causal)
         return attention(q, k, v, causal=causal, impl=impl)
 
     def forward_backward(q, k, v, d_out):
@@ -88,7 +109,7 @@ def run(args) -> dict:
     """Every (length, pass, impl) cell: results, failures and skip notes."""
     impls = [impl for impl in args.impls if not unavailable(impl)]
     notes = [unavailable(impl) for impl in args.impls if unavailable(impl)]
-    if "pallas" in impls and jax.default_backend() != "gpu":
+    if "pallas" in impls and local_platform() not in ("cuda", "rocm"):
         notes.append("pallas runs in interpret mode off a GPU: its numbers say nothing about "
                      "kernel speed")
     fns = {impl: passes(impl, args.causal) for impl in impls}
@@ -121,10 +142,11 @@ def _fmt(tflops: float) -> str:
 
 
 def table(report: dict) -> str:
-    """TFLOP/s per impl for each (length, pass), with pallas's ratios to cudnn and xla."""
+    """TFLOP/s per impl for each (length, pass), with pallas's ratios to the others."""
     impls = report["impls"]
     tflops = {(r["seq_len"], r["mode"], r["impl"]): r["tflops"] for r in report["results"]}
-    ratios = [other for other in ("cudnn", "xla") if other in impls and "pallas" in impls]
+    ratios = [other for other in ("cudnn", "jax-triton", "xla")
+              if other in impls and "pallas" in impls]
     header = ["seq_len", "pass", *[f"{impl} TFLOP/s" for impl in impls],
               *[f"pallas/{other}" for other in ratios]]
     rows = []
@@ -177,7 +199,7 @@ def main(argv=None) -> int:
         p.error(f"--kv-heads {args.kv_heads} must divide --heads {args.heads}")
     device = jax.devices()[0].device_kind
     causal = "causal" if args.causal else "full"
-    print(f"attention on {device} ({jax.default_backend()}): {args.dtype}, batch {args.batch}, "
+    print(f"attention on {device} ({local_platform()}): {args.dtype}, batch {args.batch}, "
           f"heads {args.heads} (kv {args.kv_heads}), head_dim {args.head_dim}, {causal}; "
           f"best of {args.repeats} x {args.iters} calls")
     report = run(args)
@@ -191,7 +213,7 @@ def main(argv=None) -> int:
     if args.json:
         config = {key: getattr(args, key) for key in
                   ("batch", "heads", "kv_heads", "head_dim", "dtype", "causal", "seq_lens")}
-        print(json.dumps({"device": device, "backend": jax.default_backend(), "config": config,
+        print(json.dumps({"device": device, "backend": local_platform(), "config": config,
                           **report}))
     return 0
 

@@ -14,9 +14,14 @@ the backward (`flash_backward.py`) needs to rebuild the probabilities tile by ti
     sliced back. Padding and slicing happen outside the custom_vjp, so JAX differentiates them.
   * fp32 or bf16 inputs; logits, softmax statistics and accumulators are fp32.
 
-On a GPU Pallas lowers through Triton; elsewhere (CPU tests) `interpret=True` runs the same
-kernels as a jitted loop over the grid. Inside the kernels Q and C name the query-block and
-key-block lengths, e.g. s_QxC is one tile of logits.
+On NVIDIA and AMD GPUs the kernels lower through Triton, with its launch parameters given
+explicitly (`Tiling.compiler_params`); on CPU, interpret mode runs the same kernels as a loop of
+XLA ops over the grid (tests check numerics that way). Which of the two a call becomes is
+decided when the program is lowered, not when it is traced (`jax.lax.platform_dependent`): one
+jitted function lowers to Triton for `cuda` and `rocm` and to the interpreted loop for `cpu`,
+whatever machine traces it. TPUs run JAX's splash attention instead (`splash.py`); the grid here
+breaks Mosaic TPU's tiling rules. Inside the kernels Q and C name the query-block and key-block
+lengths, e.g. s_QxC is one tile of logits.
 """
 
 from __future__ import annotations
@@ -89,6 +94,7 @@ def _forward(t: Tiling, q, k, v, segments):
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
                    jax.ShapeDtypeStruct((batch, heads, t.q_padded), jnp.float32)],
         interpret=t.interpret,
+        compiler_params=t.compiler_params,
         name="flash_attention_forward",
     )(q, k, v, *(segments if t.segments else ()))
 
@@ -136,11 +142,9 @@ def flash_attention(q, k, v, *, causal: bool, segment_ids=None, block_q: int | N
 
     segment_ids_BxL (int32, needs L == S) restricts attention to tokens of the same packed
     document. Causal masking is bottom-right aligned when L != S, like reference_attention.
-    Block sizes default to 16 in interpret mode and 64 under Triton. interpret=None interprets
-    unless the default backend is a GPU.
+    Block sizes default to 16 in interpret mode and 64 under Triton. interpret=None leaves the
+    choice to lowering: Triton for cuda and rocm, interpret mode for any other platform.
     """
-    if interpret is None:
-        interpret = jax.default_backend() != "gpu"
     batch, q_len, heads, head_dim = q.shape
     kv_len, kv_heads = k.shape[1], k.shape[2]
     if (heads % kv_heads or k.shape != v.shape or k.shape[0] != batch
@@ -153,20 +157,32 @@ def flash_attention(q, k, v, *, causal: bool, segment_ids=None, block_q: int | N
     if causal and q_len > kv_len:
         raise ValueError(f"causal flash_attention with {q_len} queries but {kv_len} keys: the "
                          "first queries would have no key to attend to.")
+    if segment_ids is not None:
+        segment_ids = segment_ids.astype(jnp.int32)
+    call = functools.partial(_padded_flash, causal=causal, block_q=block_q, block_k=block_k)
+    if interpret is not None:
+        return call(q, k, v, segment_ids, interpret=interpret)
+    triton = functools.partial(call, interpret=False)
+    return lax.platform_dependent(q, k, v, segment_ids, cuda=triton, rocm=triton,
+                                  default=functools.partial(call, interpret=True))
+
+
+def _padded_flash(q, k, v, segment_ids, *, causal: bool, block_q, block_k, interpret: bool):
+    """Pad to whole tiles (and, for Triton, to a power-of-two head dim), run, slice back."""
+    q_len, head_dim, kv_len = q.shape[1], q.shape[3], k.shape[1]
     bq, bk = _block(block_q, q_len, interpret), _block(block_k, kv_len, interpret)
-    t = Tiling(block_q=bq, block_k=bk, q_len=q_len, kv_len=kv_len,
-               q_padded=pl.cdiv(q_len, bq) * bq, kv_padded=pl.cdiv(kv_len, bk) * bk,
-               causal=causal, segments=segment_ids is not None, scale=head_dim ** -0.5,
-               interpret=interpret)
     # Triton tiles must be powers of two and >= 16 wide: zero head-dim columns change no logit
     # (q.k sums over them) and give zero output columns, which are sliced off.
     dim = head_dim if interpret else max(pl.next_power_of_2(head_dim), TRITON_MIN_DIM)
+    t = Tiling(block_q=bq, block_k=bk, q_len=q_len, kv_len=kv_len,
+               q_padded=pl.cdiv(q_len, bq) * bq, kv_padded=pl.cdiv(kv_len, bk) * bk,
+               causal=causal, segments=segment_ids is not None, scale=head_dim ** -0.5,
+               interpret=interpret, head_dim=dim)
     q = _pad_axis(_pad_axis(q, 1, t.q_padded), 3, dim)
     k, v = (_pad_axis(_pad_axis(x, 1, t.kv_padded), 3, dim) for x in (k, v))
     segments = None
     if segment_ids is not None:
         # Padded keys are masked by position already; -1 just keeps them out of every document.
-        segment_ids = segment_ids.astype(jnp.int32)
         segments = (_pad_axis(segment_ids, 1, t.q_padded, -1),
                     _pad_axis(segment_ids, 1, t.kv_padded, -1))
     return _flash(t, q, k, v, segments)[:, :q_len, :, :head_dim]

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 # Finite, so a fully masked tile gives exp(0) = 1 terms (discarded by the next correction)
 # rather than exp(-inf - -inf) = NaN.
@@ -42,7 +43,20 @@ class Tiling:
     causal: bool
     segments: bool
     scale: float  # 1 / sqrt(real head dim), also when the head dim is padded for Triton
-    interpret: bool
+    interpret: bool  # True: run the grid as a loop of XLA ops (CPU); False: lower to Triton
+    head_dim: int = 0  # padded head dim the kernels see (sizes the Triton launch)
+
+    @property
+    def compiler_params(self):
+        """Triton launch parameters, given explicitly: a pallas_call without them lowers for
+        NVIDIA GPUs through Mosaic GPU, which cannot take these kernels, and ROCm only has
+        Triton. Four warps cover a 64-wide tile at head dims up to 64 (as in JAX's own Triton
+        attention, `jax.experimental.pallas.ops.gpu.attention`); wider heads get eight so each
+        warp's share of the fp32 accumulator stays in registers. Two stages double-buffer the
+        key/value loads of the inner loop."""
+        if self.interpret:
+            return None
+        return pltriton.CompilerParams(num_warps=4 if self.head_dim <= 64 else 8, num_stages=2)
 
     @property
     def num_q_blocks(self) -> int:
@@ -171,6 +185,7 @@ def flash_backward(t: Tiling, q, k, v, segments, out, lse_BxHxL, do):
         out_specs=q_block,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         interpret=t.interpret,
+        compiler_params=t.compiler_params,
         name="flash_attention_dq",
     )(q, k, v, do, lse_BxHxL, delta_BxHxL, *seg_args)
 
@@ -189,6 +204,7 @@ def flash_backward(t: Tiling, q, k, v, segments, out, lse_BxHxL, do):
         out_specs=[kv_block, kv_block],
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
         interpret=t.interpret,
+        compiler_params=t.compiler_params,
         name="flash_attention_dkdv",
     )(q, k, v, do, lse_BxHxL, delta_BxHxL, *seg_args)
     return dq, dk, dv
