@@ -25,7 +25,9 @@ from tqdm import tqdm
 
 from jaxtron import config as config_lib
 from jaxtron import distributed
-from jaxtron.errors import JaxtronError, exits_on_user_error
+from jaxtron.dry_run import dry_run
+from jaxtron.errors import ConfigError, JaxtronError, exits_on_user_error
+from jaxtron.platforms import PLATFORMS, simulate_cpu_devices
 from jaxtron.preemption import PreemptionGuard
 from jaxtron.profiling import StepProfiler, plot_loss_curve
 from jaxtron.flops import peak_flops, training_flops_per_token
@@ -47,8 +49,16 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--print-config", action="store_true",
                         help="print the resolved config and exit")
     parser.add_argument("--dry-run", action="store_true",
-                        help="compile one step, print the mesh, parameter shardings and "
-                             "per-device memory, and exit without training")
+                        help="build one step from abstract shapes, print the mesh, attention "
+                             "kernel, parameter shardings and per-device memory, and exit "
+                             "without training")
+    parser.add_argument("--target", choices=PLATFORMS,
+                        help="with --dry-run: the platform to check for (default: this "
+                             "machine's); another one is lowered, not compiled, so a GPU or "
+                             "TPU config is checked on a CPU machine")
+    parser.add_argument("--devices", type=int,
+                        help="with --dry-run: build the mesh from this many simulated CPU "
+                             "devices (must be the first use of JAX in the process)")
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
     return parser
 
@@ -279,23 +289,6 @@ def _report(step, metrics, eval_loss, log: MetricsLog, clock: dict, flops_per_st
     return record
 
 
-def dry_run(config: config_lib.Config) -> dict:
-    """Compile one step from abstract shapes (nothing is allocated) and describe the layout."""
-    from jaxtron.sharding.report import format_memory, memory_report, parameter_table
-    from jaxtron.trainer import Trainer
-
-    trainer = Trainer(config)
-    state = trainer.abstract_state()
-    start = time.perf_counter()
-    compiled = trainer.compile_step(state, trainer.abstract_batch())
-    report = memory_report(state, compiled)
-    print(f"mesh: {describe_mesh(trainer.mesh)}; axes {dict(trainer.mesh.shape)}")
-    print(parameter_table(state.params))
-    print(format_memory(report))
-    print(f"compiled one step in {time.perf_counter() - start:.1f} s")
-    return report
-
-
 @exits_on_user_error
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
@@ -303,10 +296,14 @@ def main(argv=None) -> int:
     if args.print_config:
         print(config_lib.dump(config), end="")
         return 0
+    if (args.target or args.devices) and not args.dry_run:
+        raise ConfigError("--target and --devices only apply to a check; add --dry-run.")
+    if args.devices:
+        simulate_cpu_devices(args.devices)
     launch = distributed.initialize(config)
     with distributed.exits_when_a_peer_fails(launch):
         if args.dry_run:
-            dry_run(config)
+            dry_run(config, args.target)
         else:
             run(config)
     return 0

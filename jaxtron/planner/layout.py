@@ -63,6 +63,15 @@ class Layout:
         return " ".join(parts)
 
 
+def layout_of(config: config_lib.Config, degrees: dict[str, int]) -> Layout:
+    """The layout a config runs with on a mesh of `degrees` (the inverse of `apply`)."""
+    c = config
+    return Layout(**degrees, sequence_parallel=c.mesh.sequence_parallel,
+                  zero_stage=c.optim.zero_stage, remat=c.model.remat,
+                  microbatches=c.pipeline.microbatches, grad_accum=c.optim.grad_accum,
+                  schedule=c.pipeline.schedule, virtual_stages=c.pipeline.virtual_stages)
+
+
 def apply(config: config_lib.Config, layout: Layout) -> config_lib.Config:
     """`config` with `layout`'s fields, validated like any loaded config."""
     raw = config_lib.to_dict(config)
