@@ -91,3 +91,17 @@ def test_plain_reference_model_gives_jaxtrons_loss_with_the_same_weights():
     expected = float(trainer.eval_loss(state, trainer.put_batch({"tokens": tokens})))
     got = float(plain_llama.loss_fn(params, tokens, config))
     assert got == pytest.approx(expected, rel=1e-5)
+
+
+def test_gpu_check_records_every_gpu_test_and_passes_when_they_skip(tmp_path):
+    """The GPU acceptance run's plumbing, on CPU: its tests part runs pytest -m gpu, whose tests
+    skip here with a reason, and the JSON lists each of them."""
+    out = tmp_path / "gpu_check.json"
+    command = [sys.executable, "-m", "jaxtron.gpu_check", "--parts", "tests", "--out", str(out)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["environment"]["platform"] == "cpu"
+    tests = report["tests"]
+    assert tests["returncode"] == 0 and tests["skipped"] == len(tests["cases"]) >= 10
+    assert all("GPU" in case["message"] for case in tests["cases"])
