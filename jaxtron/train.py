@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import math
 import sys
 import time
@@ -21,15 +20,20 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from tqdm import tqdm
+from jax.experimental import multihost_utils
 
 from jaxtron import config as config_lib
+from jaxtron.host_memory import keep_freed_host_memory
 from jaxtron import distributed
 from jaxtron.dry_run import dry_run
+from jaxtron.fits import check_fits
+from jaxtron.loop import LoopPolicy
+from jaxtron.metrics_log import MetricsLog, Reporter
 from jaxtron.errors import ConfigError, JaxtronError, exits_on_user_error
 from jaxtron.platforms import PLATFORMS, simulate_cpu_devices
 from jaxtron.preemption import PreemptionGuard
 from jaxtron.profiling import StepProfiler, plot_loss_curve
+from jaxtron.run_dir import RunDirError, clear_previous_run, locked, previous_run
 from jaxtron.flops import peak_flops, training_flops_per_token
 from jaxtron.sharding.mesh import describe_mesh
 
@@ -63,79 +67,44 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-class MetricsLog:
-    """Appends one JSON object per logged step to metrics.jsonl (and TensorBoard scalars with
-    `tensorboard=True`) and prints a progress line; on a terminal a tqdm bar also advances every
-    step and shows the latest loss, tok/s and MFU."""
-
-    def __init__(self, run_dir: Path, total_steps: int, enabled: bool = True,
-                 append: bool = False, start: int = 0, tensorboard: bool = False):
-        self.path = run_dir / "metrics.jsonl"
-        self.total = total_steps
-        self.enabled = enabled
-        if enabled and not append:
-            self.path.write_text("")
-        self.events = None
-        if enabled and tensorboard:
-            from tensorboardX import SummaryWriter
-            self.events = SummaryWriter(str(run_dir / "tensorboard"))
-        self.bar = tqdm(total=total_steps, initial=start, unit="step", dynamic_ncols=True,
-                        disable=not (enabled and sys.stderr.isatty()), leave=False)
-
-    def advance(self) -> None:
-        self.bar.update(1)
-
-    def close(self) -> None:
-        self.bar.close()
-        if self.events is not None:
-            self.events.close()
-
-    def write(self, record: dict) -> None:
-        if not self.enabled:
-            return
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
-        if self.events is not None:
-            for key, value in record.items():
-                if key != "step":
-                    tag = "eval/loss" if key == "eval_loss" else f"train/{key}"
-                    self.events.add_scalar(tag, value, record["step"])
-            self.events.flush()
-        line = (f"step {record['step']:>{len(str(self.total))}}/{self.total} | "
-                f"loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
-                f"grad_norm {record['grad_norm']:.3f} | {record['tokens_per_s']:,.0f} tok/s | "
-                f"mfu {100 * record['mfu']:.2f}%")
-        if "moe_dropped" in record:
-            line += (f" | moe balance {record['moe_balance']:.3f} max_load "
-                     f"{record['moe_max_load']:.2f} dropped {100 * record['moe_dropped']:.1f}%")
-        if "eval_loss" in record:
-            line += f" | eval_loss {record['eval_loss']:.4f}"
-        if self.bar.disable:
-            print(line, flush=True)
-            return
-        self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:,.0f}",
-                             mfu=f"{100 * record['mfu']:.1f}%", refresh=False)
-        self.bar.write(line)
-
-
 def run(config: config_lib.Config) -> dict:
     """Train `config` to the end (or to a preemption signal); return the final summary."""
+    run_dir = Path(config.train.run_dir)
+    with contextlib.ExitStack() as held:
+        problem = None
+        if jax.process_index() == 0:
+            try:
+                held.enter_context(locked(run_dir))
+                _settle_previous_run(config, run_dir)
+            except RunDirError as err:
+                problem = err
+        if jax.process_count() > 1:
+            # Every process learns whether process 0 could take the folder: none is left
+            # waiting in a collective for a process that stopped.
+            ready = multihost_utils.broadcast_one_to_all(np.int32(problem is None))
+            if not ready and problem is None:
+                raise RunDirError(f"process 0 could not start the run in train.run_dir="
+                                  f"{run_dir}; its log names the reason: fix that and relaunch "
+                                  "every process.")
+        if problem is not None:
+            raise problem
+        return _run(config, run_dir)
+
+
+def _run(c: config_lib.Config, run_dir: Path) -> dict:
     from jaxtron.checkpoint import Checkpointer, checkpoint_dir
     from jaxtron.data.pipeline import eval_batches, open_dataset, train_batches
     from jaxtron.trainer import Trainer
 
-    c = config
     is_main = jax.process_index() == 0
-    run_dir = Path(c.train.run_dir)
-    if is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(config_lib.dump(c))
-
     dataset = open_dataset(c)
     trainer = Trainer(c)
+    check_fits(trainer)
     rows = trainer.local_rows()
     batches = train_batches(c, dataset, rows)
     held_out = eval_batches(c, dataset, rows)
+    if is_main:
+        (run_dir / "config.yaml").write_text(config_lib.dump(c))
     checkpoints = Checkpointer(checkpoint_dir(run_dir), c.checkpoint.keep)
     state, resumed_from = _initial_state(trainer, checkpoints, batches)
     start = int(jax.device_get(state.step))
@@ -143,19 +112,21 @@ def run(config: config_lib.Config) -> dict:
     tokens_per_step = c.train.batch_size * c.data.seq_len
     flops_per_step = training_flops_per_token(c.model, c.data.seq_len, c.moe) * tokens_per_step
     peak, peak_source = peak_flops(jax.devices())
-    log = MetricsLog(run_dir, c.train.steps, enabled=is_main, append=resumed_from is not None,
-                     start=start, tensorboard=c.train.tensorboard)
+    log = MetricsLog(run_dir, c.train.steps, enabled=is_main, start=start,
+                     tensorboard=c.train.tensorboard)
     if is_main:
         n_params = sum(x.size for x in jax.tree.leaves(state.params))
         print(f"jaxtron: {c.model.type} model, {n_params:,} parameters, "
-              f"{describe_mesh(trainer.mesh)}, {dataset.tokens.size:,} tokens in "
-              f"{c.data.path}; peak {peak / 1e9:,.1f} GFLOP/s ({peak_source})", flush=True)
+              f"{describe_mesh(trainer.mesh)}, compute {trainer.config.model.dtype}, "
+              f"{dataset.tokens.size:,} tokens in {c.data.path}; peak {peak / 1e9:,.1f} "
+              f"GFLOP/s ({peak_source})", flush=True)
         if resumed_from is not None:
             print(f"resumed from {resumed_from} at step {start}", flush=True)
     if start >= c.train.steps:
         if is_main:
             print(f"nothing to do: the checkpoint is at step {start} >= train.steps",
                   flush=True)
+        log.close()
         return {"steps": start, "run_dir": str(run_dir)}
 
     compile_start = time.perf_counter()
@@ -166,24 +137,11 @@ def run(config: config_lib.Config) -> dict:
         print(f"compiled the train step in {time.perf_counter() - compile_start:.1f} s"
               f"{library}; run dir {run_dir}", flush=True)
 
-    def evaluate(params_state) -> float:
-        losses = [trainer.eval_loss(params_state, trainer.put_batch(b)) for b in held_out]
-        return float(np.mean(jax.device_get(losses)))
-
-    def save(step, data_state):
-        checkpoints.save(step, trainer.canonical_state(state), data_state, c)
-
-    # Throughput is taken between completions of logged steps, minus evaluation time.
-    clock = {"time": time.perf_counter(), "step": start, "eval_s": 0.0}
-    pending, last, step = None, {}, start
-
-    def flush() -> dict:
-        """Report the pending step (waiting for it) and stop on a bad one before any save."""
-        record = _report(*pending, log, clock, flops_per_step, tokens_per_step, peak)
-        _check_finite(record, c, checkpoints)
-        return record
+    policy = LoopPolicy.from_config(c)
+    reporter = Reporter(log, start, flops_per_step, tokens_per_step, peak)
     profiler = StepProfiler(run_dir, c.train.profile_steps, enabled=is_main)
-    with PreemptionGuard() as guard, _finishing(checkpoints, profiler):
+    step = start
+    with PreemptionGuard() as guard, _finishing(checkpoints, profiler, log):
         for step in range(start + 1, c.train.steps + 1):
             profiler.before(step)
             state, metrics = compiled(state, batch)
@@ -192,65 +150,80 @@ def run(config: config_lib.Config) -> dict:
             data_state = batches.get_state()  # the stream position after this step's batch
             if step < c.train.steps:
                 batch = trainer.put_batch(next(batches))  # overlaps with the running step
-            if pending is not None:
-                last, pending = flush(), None
+            _check_finite(reporter.flush(), c, checkpoints)  # the previous step's row
+            checkpoints.check()  # a background save that failed stops the run now
+            act = policy.after(step, guard.stop_requested(step))
             eval_loss = None
-            if (c.train.eval_every and step % c.train.eval_every == 0) or step == c.train.steps:
+            if act.evaluate:
                 jax.block_until_ready(metrics)  # the step's own time stays in the window
                 eval_start = time.perf_counter()
-                eval_loss = evaluate(state)
-                clock["eval_s"] += time.perf_counter() - eval_start
-            if (step % c.train.log_every == 0 or step == c.train.steps or eval_loss is not None
-                    or guard.requested):
-                pending = (step, metrics, eval_loss)
-            if guard.requested or (c.checkpoint.every and step % c.checkpoint.every == 0):
-                last, pending = flush(), None  # never save past a bad step
-                save(step, data_state)
-            if guard.requested:
+                losses = [trainer.eval_loss(state, trainer.put_batch(b)) for b in held_out]
+                eval_loss = float(np.mean(jax.device_get(losses)))
+                reporter.add_eval_time(time.perf_counter() - eval_start)
+            if act.log:
+                reporter.hold(step, metrics, eval_loss)
+            if act.save:
+                _check_finite(reporter.flush(), c, checkpoints)  # never save past a bad step
+                checkpoints.save(step, trainer.canonical_state(state), data_state, c)
+            if act.stop:
                 break
-        if pending is not None:
-            last = flush()
-        if step == c.train.steps and c.checkpoint.every and step % c.checkpoint.every:
-            save(step, data_state)
-    log.close()
+        _check_finite(reporter.flush(), c, checkpoints)
+    last = reporter.last
     if is_main:
         plot_loss_curve(run_dir)
-    if guard.requested and is_main:
+    preempted = step < c.train.steps
+    if preempted and is_main:
         print(f"preempted: saved step {step} to {checkpoints.directory / str(step)}; run the "
               "same command again to resume", flush=True)
     summary = {"steps": step, "final_loss": last["loss"],
                "eval_loss": last.get("eval_loss"), "tokens_per_s": last["tokens_per_s"],
-               "mfu": last["mfu"], "run_dir": str(run_dir), "preempted": bool(guard.requested)}
-    if is_main and not guard.requested:
+               "mfu": last["mfu"], "run_dir": str(run_dir), "preempted": preempted}
+    if is_main and not preempted:
         eval_text = f"{summary['eval_loss']:.4f}" if summary["eval_loss"] is not None else "-"
         print(f"done: {summary['steps']} steps | final loss {summary['final_loss']:.4f} | "
               f"eval loss {eval_text} | {summary['tokens_per_s']:,.0f} tok/s | "
-              f"mfu {100 * summary['mfu']:.2f}% | metrics in {run_dir / 'metrics.jsonl'}",
+              f"mfu {100 * summary['mfu']:.2f}% | checkpoint "
+              f"{checkpoints.directory / str(step)} | metrics in {run_dir / 'metrics.jsonl'}",
               flush=True)
     return summary
 
 
 @contextlib.contextmanager
-def _finishing(checkpoints, profiler):
-    """Let pending asynchronous saves complete and close an open trace, whether the loop ends
-    or raises."""
+def _finishing(checkpoints, profiler, log):
+    """Let pending asynchronous saves complete and close an open trace and the log, whether
+    the loop ends or raises."""
     try:
         yield
     finally:
         profiler.stop()
+        log.close()
         checkpoints.wait()
         checkpoints.close()
+    checkpoints.check()
+
+
+def _settle_previous_run(c: config_lib.Config, run_dir: Path) -> None:
+    """train.resume=never/archive/overwrite against what a previous run left here."""
+    from jaxtron.checkpoint import Checkpointer, checkpoint_dir
+
+    if c.train.resume == "auto":
+        return
+    existing = checkpoint_dir(run_dir)
+    latest = (Checkpointer(existing, 1, read_only=True).latest_step()
+              if existing.is_dir() else None)
+    found = previous_run(run_dir, latest)
+    if found:
+        clear_previous_run(run_dir, c.train.resume, found)
 
 
 def _initial_state(trainer, checkpoints, batches):
-    """Resume from the newest checkpoint, start from `train.init_from`, or initialise."""
+    """Resume from the newest good checkpoint, start from `train.init_from`, or initialise."""
     c = trainer.config
-    latest = checkpoints.latest_step() if c.train.resume == "auto" else None
-    if latest is not None:
-        canonical, data_state = checkpoints.restore(latest, trainer.abstract_canonical_state(),
-                                                    c)
+    found = checkpoints.restore_newest_good(trainer.abstract_canonical_state(), c)
+    if found is not None:
+        step, canonical, data_state = found
         batches.set_state(data_state)
-        return trainer.from_canonical_state(canonical), checkpoints.directory / str(latest)
+        return trainer.from_canonical_state(canonical), checkpoints.directory / str(step)
     state = trainer.init_state()
     if c.train.init_from:
         from jaxtron.export import load_params
@@ -258,7 +231,9 @@ def _initial_state(trainer, checkpoints, batches):
     return state, None
 
 
-def _check_finite(record: dict, c: config_lib.Config, checkpoints) -> None:
+def _check_finite(record: dict | None, c: config_lib.Config, checkpoints) -> None:
+    if record is None:
+        return
     bad = not (math.isfinite(record["loss"]) and math.isfinite(record["grad_norm"]))
     if c.train.on_nan == "stop" and (bad or record.get("skipped_updates", 0) > 0):
         latest = checkpoints.latest_step()
@@ -271,27 +246,10 @@ def _check_finite(record: dict, c: config_lib.Config, checkpoints) -> None:
             "train.on_nan=skip to skip such updates.")
 
 
-def _report(step, metrics, eval_loss, log: MetricsLog, clock: dict, flops_per_step,
-            tokens_per_step, peak) -> dict:
-    values = {k: float(v) for k, v in jax.device_get(metrics).items()}  # waits for `step`
-    now = time.perf_counter()
-    seconds = max(now - clock["time"] - clock["eval_s"], 1e-9)
-    steps_per_s = (step - clock["step"]) / seconds
-    clock.update(time=now, step=step, eval_s=0.0)
-    record = {"step": step, "loss": values["loss"], "lr": values["lr"],
-              "grad_norm": values["grad_norm"], "tokens_per_s": tokens_per_step * steps_per_s,
-              "mfu": flops_per_step * steps_per_s / peak}
-    record.update({k: v for k, v in values.items() if k.startswith("moe_")})
-    record["skipped_updates"] = int(values.get("skipped_updates", 0))
-    if eval_loss is not None:
-        record["eval_loss"] = eval_loss
-    log.write(record)
-    return record
-
-
 @exits_on_user_error
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
+    keep_freed_host_memory()  # before JAX starts its threads
     config = config_lib.load(args.config, args.overrides)
     if args.print_config:
         print(config_lib.dump(config), end="")
@@ -300,6 +258,8 @@ def main(argv=None) -> int:
         raise ConfigError("--target and --devices only apply to a check; add --dry-run.")
     if args.devices:
         simulate_cpu_devices(args.devices)
+    for warning in config_lib.warnings(config):
+        print(f"warning: {warning}", file=sys.stderr, flush=True)
     launch = distributed.initialize(config)
     with distributed.exits_when_a_peer_fails(launch):
         if args.dry_run:
