@@ -9,10 +9,18 @@ newest readable one.
 
 Restoring reads the arrays straight into the shardings of the current mesh (Orbax reshards on
 load), so a checkpoint written under one layout continues under any other.
+
+Integrity. Each checkpoint also holds the content fingerprints of its state
+(`jaxtron.fingerprint`), recomputed and compared on restore: flipped bytes or a truncated file
+are found, not trained on. A newest checkpoint that cannot be read or does not match falls back
+to the previous good one with a note, and is renamed `<step>.damaged` (kept for inspection). A save is refused before it starts when the folder lacks
+the space for it, and a background write that fails (a disk filling up meanwhile) is reported
+at the next step, not at the next save; either way the earlier checkpoints stay as they were.
 """
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import jax
@@ -22,6 +30,7 @@ from orbax.checkpoint._src.serialization import type_handler_registry
 
 from jaxtron import config as config_lib
 from jaxtron.errors import JaxtronError
+from jaxtron.fingerprint import fingerprints, mismatches
 
 # Fields that change the shape or meaning of the parameters: a mismatch cannot be restored.
 MODEL_FIELDS = ("type", "num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim",
@@ -48,41 +57,143 @@ def write_each_array_from_one_replica() -> None:
 class Checkpointer:
     def __init__(self, directory: str | Path, keep: int, *, read_only: bool = False):
         self.directory = Path(directory).absolute()
+        self.read_only = read_only
         if jax.process_count() == 1 and jax.default_backend() == "cpu":
             write_each_array_from_one_replica()
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=not read_only,
                                                read_only=read_only,
                                                enable_async_checkpointing=True)
         self.manager = ocp.CheckpointManager(self.directory, options=options)
+        self._in_flight = None  # the step of the newest save started
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
     def save(self, step: int, state, data_state: dict, config: config_lib.Config) -> None:
+        self.check()
+        self._check_space(step, state)
         args = ocp.args.Composite(state=ocp.args.StandardSave(state),
                                   data=ocp.args.JsonSave(data_state),
-                                  config=ocp.args.JsonSave(config_lib.to_dict(config)))
-        self.manager.save(step, args=args, force=True)
+                                  config=ocp.args.JsonSave(config_lib.to_dict(config)),
+                                  checksums=ocp.args.JsonSave(fingerprints(state)))
+        try:
+            self.manager.save(step, args=args, force=True)
+        except Exception as err:  # the previous save's background failure, or this one's start
+            raise self._save_failed(err) from None
+        self._in_flight = step
+
+    def check(self) -> None:
+        """Raise CheckpointError if a background save has failed since the last call."""
+        try:
+            self.manager.check_for_errors()
+        except Exception as err:
+            raise self._save_failed(err) from None
+
+    def _check_space(self, step: int, state) -> None:
+        needed = sum(x.nbytes for x in jax.tree.leaves(state)) // jax.process_count()
+        free = shutil.disk_usage(self.directory).free
+        if free < needed * 1.05 + 2**20:
+            raise CheckpointError(
+                f"checkpoint step {step} needs about {needed / 2**20:,.1f} MiB in "
+                f"{self.directory}, but only {free / 2**20:,.1f} MiB are free; free space there "
+                f"or point train.run_dir at a larger disk. {self._intact()}")
+
+    def _intact(self) -> str:
+        latest = self.latest_step()
+        return (f"The previous checkpoint, step {latest}, is intact." if latest is not None
+                else "No checkpoint had been written.")
+
+    def _save_failed(self, err) -> CheckpointError:
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
+        free = shutil.disk_usage(self.directory).free
+        step = self._in_flight
+        which = f"checkpoint step {step}" if step is not None else "a checkpoint"
+        return CheckpointError(
+            f"writing {which} to {self.directory} failed ({type(err).__name__}: {first}); "
+            f"{free / 2**20:,.1f} MiB are free there. Free space or fix the folder, then run "
+            f"the same command to resume. {self._intact()}")
 
     def saved_config(self, step: int) -> dict:
-        return self.manager.restore(step, args=ocp.args.Composite(
-            config=ocp.args.JsonRestore()))["config"]
+        try:
+            return self.manager.restore(step, args=ocp.args.Composite(
+                config=ocp.args.JsonRestore()))["config"]
+        except Exception as err:
+            raise CheckpointError(
+                f"the checkpoint at {self.directory / str(step)} has no readable config "
+                f"({type(err).__name__}); it is damaged or was not written by jaxtron: use "
+                "another step or run directory.") from None
 
     def restore(self, step: int, abstract_state, config: config_lib.Config):
-        """-> (state, data_state), the state placed as `abstract_state`'s shardings say."""
-        check_compatible(self.saved_config(step), config, self.directory / str(step))
+        """-> (state, data_state), the state placed as `abstract_state`'s shardings say, after
+        checking its fingerprints against those saved with it."""
+        where = self.directory / str(step)
+        check_compatible(self.saved_config(step), config, where)
+        items = {"state": ocp.args.StandardRestore(abstract_state),
+                 "data": ocp.args.JsonRestore()}
+        verified = (where / "checksums").exists()  # checkpoints of earlier versions have none
+        if verified:
+            items["checksums"] = ocp.args.JsonRestore()
         try:
-            restored = self.manager.restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
+            restored = self.manager.restore(step, args=ocp.args.Composite(**items))
         except Exception as err:  # Orbax raises many types for damaged files
             raise CheckpointError(
-                f"the checkpoint at {self.directory / str(step)} could not be read ({type(err).__name__}: "
-                f"{str(err)[:300]}); it is damaged or incomplete. Delete that folder to resume "
-                "from the previous checkpoint, or set train.resume=never to start afresh.") from None
+                f"the checkpoint at {where} could not be read ({type(err).__name__}: "
+                f"{str(err)[:200]}); it is damaged or incomplete: delete that folder, or set "
+                "train.resume=archive to start afresh.") from None
+        bad = mismatches(restored["checksums"], restored["state"]) if verified else []
+        if bad:
+            raise CheckpointError(
+                f"the checkpoint at {where} does not hold what was saved: {len(bad)} arrays "
+                f"differ from their fingerprints ({', '.join(bad[:3])}); the files are "
+                "damaged: delete that folder, or set train.resume=archive to start afresh.")
         return restored["state"], restored["data"]
 
+    def restore_newest_good(self, abstract_state, config: config_lib.Config):
+        """-> (step, state, data_state) of the newest checkpoint that reads back intact, or
+        None when there is none; a damaged one is skipped with a note, never deleted."""
+        steps = sorted(self.manager.all_steps(), reverse=True)
+        problems = []
+        for step in steps:
+            try:
+                state, data = self.restore(step, abstract_state, config)
+            except CheckpointError as err:
+                if "written for a different model" in str(err):
+                    raise
+                problems.append(str(err))
+                print(f"note: skipping a damaged checkpoint: {err}", flush=True)
+                continue
+            self._set_aside(steps[:len(problems)])
+            return step, state, data
+        if problems:
+            raise CheckpointError(
+                f"none of the {len(steps)} checkpoints in {self.directory} reads back intact "
+                f"(newest: {problems[0][:300]}); set train.resume=archive to keep them aside "
+                "and start afresh.")
+        return None
+
+    def _set_aside(self, steps: list[int]) -> None:
+        """Rename damaged step folders to `<step>.damaged`: kept for inspection, out of the
+        way of the steps the resumed run will save again."""
+        if not steps or self.read_only:  # a reader (export, generate) changes nothing
+            return
+        if jax.process_index() == 0:
+            for step in steps:
+                target = self.directory / f"{step}.damaged"
+                suffix = 1
+                while target.exists():
+                    target, suffix = self.directory / f"{step}.damaged-{suffix}", suffix + 1
+                (self.directory / str(step)).rename(target)
+                print(f"note: moved the damaged checkpoint to {target}", flush=True)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+            multihost_utils.sync_global_devices("jaxtron: damaged checkpoints set aside")
+        self.manager.reload()
+
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        try:
+            self.manager.wait_until_finished()
+        except Exception as err:
+            raise self._save_failed(err) from None
 
     def close(self) -> None:
         self.manager.close()
