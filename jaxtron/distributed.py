@@ -19,7 +19,9 @@ import contextlib
 import dataclasses
 import os
 import re
+import socket
 import sys
+import threading
 
 import jax
 
@@ -117,14 +119,56 @@ def initialize(config: Config, environ=os.environ) -> Launch | None:
         return launch
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU devices only
     settings = config.distributed
+    timeout = settings.init_timeout_s
+    print(f"process {launch.process_id} of {launch.num_processes}: joining through the "
+          f"coordinator at {launch.coordinator_address} (hosted by process 0), waiting up to "
+          f"{timeout} s (distributed.init_timeout_s)", file=sys.stderr, flush=True)
+    joined = threading.Event()
+    threading.Thread(target=_give_up_after, args=(launch, timeout, joined), daemon=True).start()
+    # JAX's own deadline comes later: when it passes, the runtime aborts the process with a
+    # C++ stack trace, so the watchdog above ends it first with one line.
     jax.distributed.initialize(
         coordinator_address=launch.coordinator_address, num_processes=launch.num_processes,
         process_id=launch.process_id,
         local_device_ids=list(launch.local_device_ids) if launch.local_device_ids else None,
         cluster_detection_method="deactivate",
-        initialization_timeout=settings.init_timeout_s,
+        initialization_timeout=timeout + JAX_DEADLINE_MARGIN_S,
         heartbeat_timeout_seconds=settings.heartbeat_timeout_s)
+    joined.set()
     return launch
+
+
+JAX_DEADLINE_MARGIN_S = 30
+
+
+def _coordinator_listens(address: str) -> bool:
+    host, port = address.rsplit(":", 1)
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=2):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
+def _give_up_after(launch: Launch, timeout: int, joined: threading.Event) -> None:
+    if joined.wait(timeout):
+        return
+    if launch.process_id == 0:
+        why = (f"the other {launch.num_processes - 1} processes did not all join within "
+               f"{timeout} s; start every process with the same coordinator address and "
+               f"process ids 1..{launch.num_processes - 1}, or raise distributed.init_timeout_s")
+    elif not _coordinator_listens(launch.coordinator_address):
+        why = (f"nothing answers at {launch.coordinator_address} after {timeout} s; start "
+               "process 0 (it hosts the coordinator), or fix distributed.coordinator_address "
+               "(JAX_COORDINATOR_ADDRESS) to name its host and a free port")
+    else:
+        why = (f"the coordinator at {launch.coordinator_address} answers but the job of "
+               f"{launch.num_processes} processes did not assemble within {timeout} s; check "
+               "that every process has a distinct distributed.process_id and the same "
+               "distributed.num_processes, or raise distributed.init_timeout_s")
+    print(f"error: process {launch.process_id} could not join the job: {why}.",
+          file=sys.stderr, flush=True)
+    os._exit(2)
 
 
 

@@ -2,6 +2,8 @@
 collectives between processes, per-host data, checkpoints across process counts, dead peers."""
 
 import os
+import re
+import signal
 import socket
 import subprocess
 import sys
@@ -99,6 +101,52 @@ def test_a_dead_process_makes_the_survivor_exit_with_a_message(tmp_path):
     assert procs[0].returncode not in (0, None), out[-2000:]
     assert waited < 2 * timeout + 10, waited
     assert "died" in out, out[-2000:]
+
+
+def jax_env(rank, port):
+    return {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2",
+            "JAX_PROCESS_ID": str(rank)}
+
+
+def test_sigterm_to_one_process_makes_both_save_the_same_step_and_exit_zero(tmp_path):
+    """SLURM may signal one process first: JAX's preemption sync point makes every process
+    stop at the same step, so none waits in a save or a collective for the other."""
+    procs = launch(tmp_path, 2, "train.steps=1000000", "checkpoint.every=0", "mesh.dcn_data=2",
+                   env_for=jax_env)
+    for line in procs[0].stdout:
+        if " 3/1000000 |" in line:
+            break
+    procs[1].send_signal(signal.SIGTERM)  # process 1 only
+    outs = [proc.communicate(timeout=300)[0] for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0], [out[-2000:] for out in outs]
+    saved = re.search(r"preempted: saved step (\d+)", outs[0])
+    assert saved, outs[0][-2000:]
+    step = int(saved.group(1))
+    assert (tmp_path / "checkpoints" / str(step)).is_dir()
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [str(step)]
+
+
+def test_a_refused_run_dir_stops_every_process_at_once(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+    procs = launch(tmp_path, 2, "train.resume=never", env_for=jax_env)
+    outs = [proc.communicate(timeout=120)[0] for proc in procs]
+    assert [proc.returncode for proc in procs] == [2, 2], outs
+    assert "holds a previous run (metrics.jsonl) and train.resume=never" in outs[0]
+    assert "process 0 could not start the run" in outs[1]
+
+
+def test_a_missing_coordinator_is_one_line_within_the_timeout(tmp_path):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_PROCESSES="2", JAX_PROCESS_ID="1",
+               JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{free_port()}")
+    start = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "jaxtron.train", *BASE,
+                             f"train.run_dir={tmp_path}", "distributed.init_timeout_s=5"],
+                            env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and time.monotonic() - start < 30
+    lines = result.stderr.strip().splitlines()
+    assert lines[0].startswith("process 1 of 2: joining through the coordinator")  # at once
+    assert lines[-1].startswith("error: process 1 could not join the job: nothing answers at")
+    assert "distributed.coordinator_address" in lines[-1] and "Traceback" not in result.stderr
 
 
 def test_launch_settings_come_from_config_then_environment_then_slurm():
