@@ -3,8 +3,9 @@
     python -m jaxtron.export --checkpoint runs/tiny --out exports/tiny --format orbax
     python -m jaxtron.export --checkpoint runs/llama --out exports/llama-hf --format hf
 
-`--checkpoint` is a run directory (its newest checkpoint, or `--step N`). The orbax format is a
-parameters-only checkpoint in the model's layout plus the resolved `config.yaml`: it restores on
+`--checkpoint` is any jaxtron checkpoint: a run directory (its newest good checkpoint, or
+`--step N`) or a parameters-only checkpoint from `export` or `convert` (to turn it into a
+Hugging Face directory, say). The orbax format is a parameters-only checkpoint in the model's layout plus the resolved `config.yaml`: it restores on
 one device with no mesh (`orbax.checkpoint.StandardCheckpointer().restore(OUT / "params")`), is
 what `train.init_from` and `jaxtron.generate` read, and is what `jaxtron.convert` writes.
 """
@@ -23,6 +24,7 @@ from flax import nnx
 from jaxtron import config as config_lib
 from jaxtron.checkpoint import CheckpointError, Checkpointer, check_compatible, checkpoint_dir
 from jaxtron.errors import exits_on_user_error
+from jaxtron.run_dir import cannot_write
 
 
 def single_device_config(config: config_lib.Config) -> config_lib.Config:
@@ -35,27 +37,65 @@ def single_device_config(config: config_lib.Config) -> config_lib.Config:
 
 
 def load_training_params(run_dir: str | Path, step: int | None = None):
-    """-> (config, params pure dict on one device) from a run directory's checkpoint."""
+    """-> (config, params pure dict on one device) from a run directory's checkpoint: the
+    newest one that reads back intact, or `step`."""
     from jaxtron.trainer import Trainer
 
-    checkpoints = Checkpointer(checkpoint_dir(run_dir), keep=1, read_only=True)
-    step = checkpoints.latest_step() if step is None else step
-    if step is None:
-        raise CheckpointError(f"{checkpoint_dir(run_dir)} holds no checkpoint; pass a run "
-                              "directory that was trained with checkpoint.every > 0.")
-    config = single_device_config(config_lib.from_dict(checkpoints.saved_config(step)))
+    directory = checkpoint_dir(run_dir)
+    checkpoints = Checkpointer(directory, keep=1, read_only=True)
+    steps = sorted(checkpoints.manager.all_steps())
+    if not steps:
+        raise CheckpointError(f"{directory} holds no checkpoint; pass a run directory that "
+                              "has trained (runs save a checkpoint at their last step).")
+    if step is not None and step not in steps:
+        raise CheckpointError(f"--step {step} was never saved in {directory}; choose one of "
+                              f"{', '.join(map(str, steps[-10:]))}.")
+    config = single_device_config(config_lib.from_dict(
+        checkpoints.saved_config(step if step is not None else steps[-1])))
     trainer = Trainer(config, devices=jax.devices()[:1])
-    state, _ = checkpoints.restore(step, trainer.abstract_canonical_state(), config)
+    abstract = trainer.abstract_canonical_state()
+    if step is not None:
+        state, _ = checkpoints.restore(step, abstract, config)
+    else:
+        _, state, _ = checkpoints.restore_newest_good(abstract, config)
     return config, nnx.to_pure_dict(state.params)
 
 
+def load_any(path: str | Path, step: int | None = None):
+    """-> (config, params pure dict) from a run directory or an export/convert output."""
+    path = Path(path)
+    if (path / "params").is_dir():
+        if step is not None:
+            raise CheckpointError(f"{path} is a parameters-only checkpoint with one state; "
+                                  "leave out --step, or pass a run directory.")
+        from jaxtron.trainer import Trainer
+
+        config = single_device_config(exported_config(path))
+        params = load_params(path, Trainer(config, devices=jax.devices()[:1]))
+        return config, nnx.to_pure_dict(params)
+    if checkpoint_dir(path).is_dir():
+        return load_training_params(path, step)
+    raise CheckpointError(f"{path} is not a jaxtron checkpoint: pass a training run directory "
+                          "(it holds checkpoints/) or the output of python -m jaxtron.export or "
+                          "python -m jaxtron.convert (it holds params/ and config.yaml).")
+
+
 def save_params(out: str | Path, config: config_lib.Config, params_pure: dict) -> Path:
-    out = Path(out).absolute()
-    out.mkdir(parents=True, exist_ok=True)
+    out = writable_dir(out)
     checkpointer = ocp.StandardCheckpointer()
     checkpointer.save(out / "params", params_pure, force=True)
     checkpointer.wait_until_finished()
     (out / "config.yaml").write_text(config_lib.dump(config))
+    return out
+
+
+def writable_dir(out: str | Path) -> Path:
+    """`out`, created, or CheckpointError naming it when it cannot be written."""
+    out = Path(out).absolute()
+    why = cannot_write(out)
+    if why:
+        raise CheckpointError(f"--out {out} cannot be written ({why}); choose a folder you "
+                              "can write to.")
     return out
 
 
@@ -65,7 +105,15 @@ def exported_config(path: str | Path) -> config_lib.Config:
         raise CheckpointError(f"{path} is not an exported checkpoint (it needs config.yaml and "
                               "params/); create one with python -m jaxtron.export or "
                               "python -m jaxtron.convert.")
-    return config_lib.from_dict(yaml.safe_load((path / "config.yaml").read_text()))
+    try:
+        raw = yaml.safe_load((path / "config.yaml").read_text())
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{path / 'config.yaml'} is not valid YAML "
+                              f"({type(err).__name__}); export the checkpoint again.") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path / 'config.yaml'} holds no config; export the checkpoint "
+                              "again.")
+    return config_lib.from_dict(raw)
 
 
 def load_params(path: str | Path, trainer) -> nnx.State:
@@ -87,19 +135,20 @@ def load_params(path: str | Path, trainer) -> nnx.State:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jaxtron.export",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--checkpoint", required=True, help="run directory of a training run")
+    parser.add_argument("--checkpoint", required=True,
+                        help="a training run directory, or an export/convert output")
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--format", choices=("orbax", "hf"), default="orbax")
     parser.add_argument("--step", type=int, help="checkpoint step (default: newest)")
     args = parser.parse_args(argv)
-    config, params = load_training_params(args.checkpoint, args.step)
+    config, params = load_any(args.checkpoint, args.step)
     if args.format == "orbax":
         out = save_params(args.out, config, params)
     else:
         from jaxtron import hf
         hf_config, tensors = hf.to_hf(config, params)
-        hf.save_hf_dir(args.out, hf_config, tensors)
-        out = Path(args.out)
+        out = writable_dir(args.out)
+        hf.save_hf_dir(out, hf_config, tensors)
     print(f"exported {args.format} checkpoint to {out}")
     return 0
 

@@ -130,22 +130,14 @@ def generate(model, prompt_ids, *, max_new_tokens: int, temperature: float = 0.0
 
 
 def _load_model(checkpoint: str, step: int | None):
-    """An NNX model on one device from an export directory or a training run directory."""
-    from pathlib import Path
-
-    from jaxtron.export import exported_config, load_params, load_training_params
-    from jaxtron.export import single_device_config
+    """An NNX model on one device from any jaxtron checkpoint (run, export or convert)."""
+    from jaxtron.export import load_any
     from jaxtron.trainer import Trainer
 
-    if (Path(checkpoint) / "params").is_dir():
-        config = single_device_config(exported_config(checkpoint))
-        trainer = Trainer(config, devices=jax.devices()[:1])
-        params = load_params(checkpoint, trainer)
-    else:
-        config, pure = load_training_params(checkpoint, step)
-        trainer = Trainer(config, devices=jax.devices()[:1])
-        params = trainer.abstract_canonical_state().params
-        nnx.replace_by_pure_dict(params, pure)
+    config, pure = load_any(checkpoint, step)
+    trainer = Trainer(config, devices=jax.devices()[:1])
+    params = trainer.abstract_canonical_state().params
+    nnx.replace_by_pure_dict(params, pure)
     return config, nnx.merge(trainer.graphdef, params)
 
 

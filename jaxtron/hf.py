@@ -177,9 +177,10 @@ def _read_config(hf: dict) -> tuple[str, dict]:
                     "the MLP is SwiGLU (silu)"),
                    (bool(hf.get("attention_bias")), "attention_bias=true",
                     "llama attention has no biases"),
-                   (bool(hf.get("mlp_bias")), "mlp_bias=true", "llama MLPs have no biases"),
-                   (hf.get("rope_scaling") is not None, f"rope_scaling={hf.get('rope_scaling')}",
-                    "only plain RoPE is implemented")]
+                   (bool(hf.get("mlp_bias")), "mlp_bias=true", "llama MLPs have no biases")]
+    scaling = _rope_scaling(hf)
+    if scaling is not None:
+        unsupported.append((True, scaling, "only plain RoPE is implemented"))
     for bad, field, why in unsupported:
         if bad:
             raise ConfigError(f"config.json sets {field}, which jaxtron cannot convert: {why}; "
@@ -193,6 +194,44 @@ def _read_config(hf: dict) -> tuple[str, dict]:
             "K": hf.get("head_dim") or hf["hidden_size"] // h, "F": hf["intermediate_size"],
             "V": hf["vocab_size"], "E": hf["num_local_experts"] if arch == MIXTRAL else 0}
     return arch, dims
+
+
+def _rope_parameters(hf: dict) -> dict:
+    """RoPE settings in either layout transformers writes: top-level `rope_theta` and
+    `rope_scaling` (up to 4.x), or one `rope_parameters` dict (5.x)."""
+    params = hf.get("rope_parameters")
+    if params is None:
+        return {}
+    if not isinstance(params, dict):
+        raise ConfigError(f"config.json: rope_parameters={params!r} must be an object; fix "
+                          "config.json.")
+    # Per-attention-type layouts ({"full_attention": {...}}) hold one dict per kind.
+    nested = [v for v in params.values() if isinstance(v, dict)]
+    if nested:
+        raise ConfigError("config.json sets rope_parameters per attention type, which jaxtron "
+                          "cannot convert: only one plain RoPE is implemented; convert a model "
+                          "without that setting.")
+    return params
+
+
+def _rope_scaling(hf: dict) -> str | None:
+    """The config.json setting that asks for RoPE scaling, or None for plain RoPE."""
+    old = hf.get("rope_scaling")
+    if old is not None and (not isinstance(old, dict)
+                            or old.get("rope_type", old.get("type")) not in (None, "default")):
+        return f"rope_scaling={old}"
+    kind = _rope_parameters(hf).get("rope_type", "default")
+    if kind not in (None, "default"):
+        return f"rope_parameters.rope_type={kind}"
+    return None
+
+
+def _rope_theta(hf: dict, default: float) -> float:
+    theta = hf.get("rope_theta", _rope_parameters(hf).get("rope_theta", default))
+    if not isinstance(theta, (int, float)) or theta <= 0:
+        raise ConfigError(f"config.json: rope_theta={theta!r} must be a positive number; fix "
+                          "config.json.")
+    return float(theta)
 
 
 def _check_names(arch: str, expected: set, state_dict: dict) -> None:
@@ -221,7 +260,7 @@ def _overrides(arch: str, dims: dict, hf: dict, dtype: str) -> tuple[dict, dict]
              "num_heads": dims["H"], "num_kv_heads": dims["G"],
              "head_dim": None if dims["K"] == dims["D"] // dims["H"] else dims["K"],
              "mlp_dim": dims["F"], "vocab_size": dims["V"], "max_seq_len": max_seq_len,
-             "rope_theta": float(hf.get("rope_theta", defaults["rope_theta"])),
+             "rope_theta": _rope_theta(hf, defaults["rope_theta"]),
              "norm_eps": float(hf.get("rms_norm_eps", defaults["rms_norm_eps"])),
              "param_dtype": dtype}
     moe = {"num_experts": 0}
@@ -260,13 +299,15 @@ def from_hf(hf_config: dict, state_dict: dict) -> tuple[dict, dict, dict]:
         raise DataError(f"the safetensors file holds {dtype} tensors; jaxtron parameters are "
                         f"one of {', '.join(COMPUTE_DTYPES)}: convert the weights to one of "
                         "those first.")
+    # Fine-tuning needs fp32 master weights whatever dtype the file was published in (bf16
+    # for most): the cast is exact, and param_dtype float32 is what a training config uses.
     params = {}
     for path, array in arrays.items():
         node = params
         for key in path[:-1]:
             node = node.setdefault(key, {})
-        node[path[-1]] = array
-    return (*_overrides(arch, dims, hf_config, dtype), params)
+        node[path[-1]] = array.astype(np.float32)
+    return (*_overrides(arch, dims, hf_config, "float32"), params)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -307,29 +348,49 @@ def save_hf_dir(out_dir, hf_config: dict, state_dict: dict, *,
 def load_hf_dir(hf_dir) -> tuple[dict, dict[str, np.ndarray]]:
     """-> (config.json dict, {name: numpy array}) from one model.safetensors or shards listed in
     model.safetensors.index.json."""
-    from safetensors.numpy import load_file
-
     src = Path(hf_dir)
     if not (src / "config.json").is_file():
         raise DataError(f"{src} has no config.json: not a Hugging Face model directory; pass "
                         "--from-hf the folder that holds config.json and the safetensors.")
-    hf_config = json.loads((src / "config.json").read_text())
+    hf_config = _read_json(src / "config.json")
+    if not isinstance(hf_config, dict):
+        raise DataError(f"{src / 'config.json'} must hold a JSON object; download the model "
+                        "folder again.")
     if (src / SINGLE_FILE).is_file():
-        return hf_config, load_file(str(src / SINGLE_FILE))
+        return hf_config, _load_safetensors(src / SINGLE_FILE)
     if not (src / INDEX_FILE).is_file():
         found = ", ".join(sorted(os.listdir(src)))
         raise DataError(f"{src} has neither {SINGLE_FILE} nor {INDEX_FILE} (found: {found}); "
                         "only safetensors weights are read: save the model with "
                         "safe_serialization=True.")
-    weight_map = json.loads((src / INDEX_FILE).read_text())["weight_map"]
+    weight_map = _read_json(src / INDEX_FILE).get("weight_map", {})
     tensors = {}
     for filename in sorted(set(weight_map.values())):
         if not (src / filename).is_file():
             raise DataError(f"{INDEX_FILE} lists {filename}, which is missing from {src}; "
                             "download the complete model folder.")
-        tensors.update(load_file(str(src / filename)))
+        tensors.update(_load_safetensors(src / filename))
     absent = sorted(set(weight_map) - tensors.keys())
     if absent:
         raise DataError(f"{INDEX_FILE} maps {absent[0]} to {weight_map[absent[0]]}, which does "
                         "not hold it; download the model folder again.")
     return hf_config, tensors
+
+
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as err:
+        raise DataError(f"{path} is not valid JSON ({type(err).__name__}: {str(err)[:120]}); "
+                        "download the model folder again or fix the file.") from None
+
+
+def _load_safetensors(path: Path) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    try:
+        return load_file(str(path))
+    except Exception as err:  # safetensors raises its own error types for damaged files
+        first = (str(err).splitlines() or [type(err).__name__])[0][:200]
+        raise DataError(f"{path} could not be read ({first}): it is truncated or damaged; "
+                        "download it again.") from None

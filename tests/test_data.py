@@ -124,3 +124,26 @@ def test_hosts_read_disjoint_rows_that_form_the_global_batch():
     for step in range(2):
         assert hosts[0][step].shape[0] == 4
         np.testing.assert_array_equal(np.concatenate([h[step] for h in hosts]), single[step])
+
+
+def test_prepare_skips_binary_files_and_reports_undecodable_bytes(tmp_path, capsys):
+    from jaxtron.data import prepare
+    from jaxtron.data.indexed import IndexedDataset
+
+    folder = tmp_path / "in"
+    folder.mkdir()
+    (folder / "a.txt").write_text("plain text")
+    (folder / "b.txt").write_bytes("café au lait".encode("latin-1"))  # not UTF-8
+    (folder / "c.png").write_bytes(b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR")
+    out = tmp_path / "d"
+    assert prepare.main(["--input", str(folder), "--out", str(out)]) == 0
+    line = capsys.readouterr().out
+    assert "2 documents" in line and "skipped 1 binary files" in line
+    assert "replaced 1 bytes that are not utf-8 in 1 documents" in line and "latin-1" in line
+    assert prepare.main(["--input", str(folder), "--out", str(out), "--encoding",
+                         "latin-1"]) == 0
+    assert "replaced" not in capsys.readouterr().out
+    data = IndexedDataset(out)
+    second = data.tokens[data.document_start(1):data.document_start(2) - 1]  # less the EOS
+    assert bytes(second.astype(np.uint8)).decode("utf-8") == "café au lait"
+    assert data.meta["max_token_id"] == int(data.tokens.max())

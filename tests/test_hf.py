@@ -4,6 +4,7 @@ written from the HF tensor names and config.json alone (Llama and Mixtral semant
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -163,4 +164,64 @@ def test_tied_and_windowed_checkpoints_and_missing_files(tmp_path):
     assert model["max_seq_len"] == 128  # windowed attention == causal up to the window
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(DataError, match="neither model.safetensors nor"):
+        load_hf_dir(tmp_path)
+
+
+def transformers5_layout(hf_config: dict) -> dict:
+    """config.json as transformers 5 writes it: RoPE settings in one rope_parameters dict."""
+    layout = {k: v for k, v in hf_config.items() if k not in ("rope_theta", "rope_scaling")}
+    layout["rope_parameters"] = {"rope_theta": hf_config["rope_theta"], "rope_type": "default"}
+    return layout
+
+
+def test_transformers5_rope_parameters_layout_keeps_rope_theta():
+    """rope_theta inside rope_parameters (no top-level key) must not fall back to a default:
+    the imported model's logits still equal the HF forward with the file's theta."""
+    config, trainer, state, pure = random_state("llama")
+    hf_config, tensors = to_hf(config, pure)
+    model, moe, params = from_hf(transformers5_layout(hf_config), tensors)
+    assert model["rope_theta"] == config.model.rope_theta == 500.0
+    imported = Trainer(make_config(model=model, moe=moe))
+    restored = imported.init_state()
+    nnx.replace_by_pure_dict(restored.params, params)
+    ids = np.random.default_rng(2).integers(0, 256, 12)
+    ours = np.asarray(jax.jit(lambda m, t: m(t))(imported.model(restored), ids[None]))[0]
+    np.testing.assert_allclose(ours, hf_forward(hf_config, tensors, ids), rtol=1e-4, atol=1e-4)
+    for scaled in ({"rope_theta": 500.0, "rope_type": "linear", "factor": 2.0},
+                   {"rope_theta": 500.0, "rope_type": "llama3", "factor": 8.0}):
+        layout = {**transformers5_layout(hf_config), "rope_parameters": scaled}
+        with pytest.raises(ConfigError, match=f"rope_parameters.rope_type={scaled['rope_type']}"):
+            from_hf(layout, tensors)
+
+
+def test_bf16_checkpoints_import_with_fp32_master_weights(tmp_path):
+    """Published checkpoints are bf16; fine-tuning keeps fp32 master weights, so the import
+    casts (exactly) and train.init_from into an fp32 config works."""
+    from jaxtron.convert import convert
+    from jaxtron.export import load_params
+
+    config, _, _, pure = random_state("llama")
+    hf_config, tensors = to_hf(config, pure)
+    bf16 = {k: v.astype(jnp.bfloat16) for k, v in tensors.items()}
+    save_hf_dir(tmp_path / "hf", hf_config, bf16)
+    converted = convert(tmp_path / "hf", tmp_path / "imported")
+    assert converted.model.param_dtype == "float32"
+    trainer = Trainer(make_config(**LLAMA), devices=jax.devices()[:1])
+    params = nnx.to_pure_dict(load_params(tmp_path / "imported", trainer))
+    embed = np.asarray(params["embedder"]["embed"])
+    assert embed.dtype == np.float32
+    np.testing.assert_array_equal(embed, np.asarray(bf16["model.embed_tokens.weight"],
+                                                    np.float32))
+
+
+def test_damaged_files_are_one_line_errors(tmp_path):
+    config, _, _, pure = random_state("llama")
+    hf_config, tensors = to_hf(config, pure)
+    save_hf_dir(tmp_path, hf_config, tensors)
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(DataError, match="model.safetensors could not be read .* truncated"):
+        load_hf_dir(tmp_path)
+    (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"],')
+    with pytest.raises(DataError, match="config.json is not valid JSON"):
         load_hf_dir(tmp_path)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from jaxtron.data.indexed import write_indexed
 from jaxtron.data.tokenizer import ByteTokenizer
+from jaxtron.errors import DataError
 
 BUILTIN_STDLIB = "builtin:stdlib"
 SKIPPED_DIRS = {"site-packages", "dist-packages", "__pycache__"}
@@ -51,11 +52,18 @@ def builtin_prefix(max_bytes: int) -> Path:
     prefix = final / "tokens"
     if Path(f"{prefix}.json").is_file():
         return prefix
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=".building-"))
-    tok = ByteTokenizer()
-    write_indexed(tmp / "tokens", (tok.encode(t) for t in stdlib_documents(max_bytes)),
-                  vocab_size=tok.vocab_size, tokenizer=tok.name, eos_id=tok.eos_id)
+    tok, tmp = ByteTokenizer(), None
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=".building-"))
+        write_indexed(tmp / "tokens", (tok.encode(t) for t in stdlib_documents(max_bytes)),
+                      vocab_size=tok.vocab_size, tokenizer=tok.name, eos_id=tok.eos_id)
+    except OSError as err:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise DataError(f"cannot build the built-in corpus in {final.parent} ({err.strerror}); "
+                        f"free space there or point the JAXTRON_CACHE variable at a writable "
+                        "folder.") from None
     try:
         os.rename(tmp, final)
     except OSError:  # another process finished first; its copy is identical

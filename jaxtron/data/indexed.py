@@ -1,8 +1,10 @@
 """Megatron-LM's indexed dataset format: a flat `.bin` of tokens plus an `.idx` of offsets.
 
 Files written here read in Megatron-LM (`MMIDIDX` version 1) and the reverse. A `.json`
-sidecar records the tokenizer and vocabulary size so a run can check the model covers them.
-The `.bin` is memory-mapped: nothing is loaded that a batch does not touch.
+sidecar records the tokenizer, the vocabulary size and the largest token id so a run can check
+the model covers them. The `.bin` is memory-mapped: nothing is loaded that a batch does not
+touch. Opening checks the files agree (sizes from the `.idx` against the `.bin`), and each way a
+file can be cut short or malformed is one error naming the file.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ def write_indexed(prefix: str | Path, documents, *, vocab_size: int, tokenizer: 
     prefix = Path(prefix)
     prefix.parent.mkdir(parents=True, exist_ok=True)
     dtype = token_dtype(vocab_size)
-    lengths = []
+    lengths, max_id = [], 0
     with open(f"{prefix}.bin", "wb") as out:
         for doc in documents:
             arr = np.asarray(list(doc) + ([eos_id] if eos_id is not None else []), dtype=dtype)
@@ -39,6 +41,7 @@ def write_indexed(prefix: str | Path, documents, *, vocab_size: int, tokenizer: 
                 continue
             out.write(arr.tobytes())
             lengths.append(arr.size)
+            max_id = max(max_id, int(arr.max()))
     if not lengths:
         raise DataError(f"no documents with text were found for {prefix}; point --input at a "
                         "folder or file that holds non-empty text.")
@@ -56,9 +59,15 @@ def write_indexed(prefix: str | Path, documents, *, vocab_size: int, tokenizer: 
         out.write(pointers.tobytes())
         out.write(np.arange(len(lengths) + 1, dtype=np.int64).tobytes())
     meta = {"tokenizer": tokenizer, "vocab_size": int(vocab_size), "eos_id": eos_id,
-            "num_documents": len(lengths), "num_tokens": int(lengths_np.sum(dtype=np.int64))}
+            "num_documents": len(lengths), "num_tokens": int(lengths_np.sum(dtype=np.int64)),
+            "max_token_id": max_id}
     Path(f"{prefix}.json").write_text(json.dumps(meta, indent=2))
     return meta
+
+
+HEADER = len(MAGIC) + 8 + 1 + 8 + 8
+# Above this many tokens a recorded max_token_id is trusted instead of scanning the .bin.
+SCAN_LIMIT = 2**28
 
 
 class IndexedDataset:
@@ -72,30 +81,55 @@ class IndexedDataset:
                 raise DataError(f"data.path={prefix} has no {prefix}{suffix}; create the dataset "
                                 "with python -m jaxtron.data.prepare --input DIR_OR_JSONL "
                                 f"--out {prefix}, or use data.path=builtin:stdlib.")
-        with open(f"{prefix}.idx", "rb") as f:
-            header = f.read(len(MAGIC))
-            if header != MAGIC:
-                raise DataError(f"{prefix}.idx is not a Megatron MMIDIDX index (bad magic); "
-                                "rebuild it with python -m jaxtron.data.prepare.")
-            version, = struct.unpack("<Q", f.read(8))
-            code, = struct.unpack("<B", f.read(1))
-            count, = struct.unpack("<Q", f.read(8))
-            struct.unpack("<Q", f.read(8))
-            if version != VERSION or code not in DTYPE_CODES:
-                raise DataError(f"{prefix}.idx has version {version} / dtype code {code}, which "
-                                "this reader does not know; rebuild it with jaxtron.data.prepare.")
-            offset = f.tell()
+        index = Path(f"{prefix}.idx")
+        size = index.stat().st_size
+        with open(index, "rb") as f:
+            header = f.read(HEADER)
+        if len(header) < HEADER:
+            raise DataError(f"{index} is {size} bytes, shorter than an index header "
+                            f"({HEADER} bytes): it is truncated; rebuild it with python -m jaxtron.data.prepare --out {prefix}.")
+        if header[:len(MAGIC)] != MAGIC:
+            raise DataError(f"{index} is not a Megatron MMIDIDX index (bad magic); "
+                            f"rebuild it with python -m jaxtron.data.prepare --out {prefix}.")
+        version, code, count, doc_count = struct.unpack("<QBQQ", header[len(MAGIC):])
+        if version != VERSION or code not in DTYPE_CODES:
+            raise DataError(f"{index} has version {version} / dtype code {code}, which this "
+                            f"reader does not know; rebuild it with python -m jaxtron.data.prepare --out {prefix}.")
+        body = count * (4 + 8) + doc_count * 8
+        if size < HEADER + body:
+            raise DataError(f"{index} describes {count} sequences but holds {size} bytes of the "
+                            f"{HEADER + body} that needs: it is truncated; rebuild it with python -m jaxtron.data.prepare --out {prefix}.")
         self.dtype = np.dtype(DTYPE_CODES[code])
-        self.lengths = np.memmap(f"{prefix}.idx", np.int32, "r", offset, (count,))
-        self.pointers = np.memmap(f"{prefix}.idx", np.int64, "r", offset + 4 * count, (count,))
-        self.tokens = np.memmap(f"{prefix}.bin", self.dtype, "r")
-        expected = int(self.lengths.sum(dtype=np.int64))
-        if self.tokens.size != expected:
-            raise DataError(f"{prefix}.bin holds {self.tokens.size} tokens but {prefix}.idx "
-                            f"describes {expected}; the files are truncated or mismatched, "
-                            "rebuild them with python -m jaxtron.data.prepare.")
+        self.lengths = np.memmap(index, np.int32, "r", HEADER, (count,))
+        self.pointers = np.memmap(index, np.int64, "r", HEADER + 4 * count, (count,))
+        self.tokens = self._tokens(prefix, int(self.lengths.sum(dtype=np.int64)))
         meta_path = Path(f"{prefix}.json")
-        self.meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+        self.meta = {}
+        if meta_path.is_file():
+            try:
+                self.meta = json.loads(meta_path.read_text())
+            except (ValueError, UnicodeDecodeError) as err:
+                raise DataError(f"{meta_path} is not valid JSON ({type(err).__name__}); fix it "
+                                f"or delete it (it only records the tokenizer), or "
+                                f"rebuild it with python -m jaxtron.data.prepare --out {prefix}.") from None
+            if not isinstance(self.meta, dict):
+                raise DataError(f"{meta_path} must hold a JSON object; fix it or delete it.")
+
+    def _tokens(self, prefix, expected: int) -> np.ndarray:
+        data = Path(f"{prefix}.bin")
+        size = data.stat().st_size
+        if size % self.dtype.itemsize:
+            raise DataError(f"{data} is {size} bytes, not a whole number of "
+                            f"{self.dtype.itemsize}-byte tokens: it is truncated or not a "
+                            f"token file; rebuild it with python -m jaxtron.data.prepare --out {prefix}.")
+        if size // self.dtype.itemsize != expected:
+            raise DataError(f"{data} holds {size // self.dtype.itemsize} tokens but "
+                            f"{prefix}.idx describes {expected}; the files are truncated or "
+                            f"mismatched: rebuild it with python -m jaxtron.data.prepare --out {prefix}.")
+        if expected == 0:
+            raise DataError(f"{data} holds no tokens; prepare the dataset again from non-empty "
+                            "text with python -m jaxtron.data.prepare.")
+        return np.memmap(data, self.dtype, "r")
 
     @property
     def num_documents(self) -> int:
@@ -111,4 +145,13 @@ class IndexedDataset:
     def vocab_size(self) -> int:
         if "vocab_size" in self.meta:
             return int(self.meta["vocab_size"])
-        return int(self.tokens.max()) + 1
+        return self.max_token_id() + 1
+
+    def max_token_id(self) -> int:
+        """The largest id in the .bin: scanned (in chunks) unless the dataset is large and the
+        sidecar recorded it at prepare time."""
+        recorded = self.meta.get("max_token_id")
+        if isinstance(recorded, int) and self.tokens.size > SCAN_LIMIT:
+            return recorded
+        chunk = 2**24
+        return max(int(self.tokens[i:i + chunk].max()) for i in range(0, self.tokens.size, chunk))

@@ -59,10 +59,22 @@ def open_dataset(config: Config) -> IndexedDataset:
                         f"{BUILTIN_STDLIB}; use it or give the prefix of a dataset written by "
                         "python -m jaxtron.data.prepare.")
     dataset = IndexedDataset(path)
-    if dataset.vocab_size > config.model.vocab_size:
+    vocab = config.model.vocab_size
+    if dataset.vocab_size > vocab:
         raise DataError(f"the dataset at data.path={config.data.path} uses {dataset.vocab_size} "
-                        f"token ids but model.vocab_size={config.model.vocab_size}; set "
+                        f"token ids but model.vocab_size={vocab}; set "
                         f"model.vocab_size={dataset.vocab_size} or more.")
+    # The sidecar's word is not enough: an id past the embedding table gathers garbage (NaN at
+    # the first step on GPUs). Ids that the token dtype cannot exceed need no scan.
+    bounded = dataset.dtype.kind in "iu" and np.iinfo(dataset.dtype).max < vocab
+    if not bounded:
+        largest = dataset.max_token_id()
+        if largest >= vocab:
+            raise DataError(f"the dataset at data.path={config.data.path} holds token id "
+                            f"{largest}, outside model.vocab_size={vocab} (its {path}.json "
+                            f"says vocab_size {dataset.meta.get('vocab_size', '-')}); set "
+                            f"model.vocab_size={largest + 1} or more, or prepare the data again "
+                            "with the model's tokenizer.")
     return dataset
 
 

@@ -7,6 +7,11 @@
 Input is a folder (every file under it whose name matches --glob, one document per file), a
 single text file (one document), or a JSONL file (one document per line, text under
 --jsonl-key). Then train with `data.path=PREFIX`.
+
+Files are decoded with --encoding (UTF-8 by default); a byte that is not valid there becomes
+U+FFFD and the summary counts such replacements, so latin-1 text read as UTF-8 is reported, not
+silently mangled (pass --encoding latin-1 for it). Binary files in a folder (a NUL byte in their
+first 8 KiB, as `grep` and `git` decide) are skipped and counted.
 """
 
 from __future__ import annotations
@@ -21,17 +26,68 @@ from jaxtron.data.tokenizer import load_tokenizer
 from jaxtron.errors import DataError, exits_on_user_error
 
 
-def read_documents(path: Path, pattern: str, jsonl_key: str):
+class Summary:
+    """What reading the input skipped or repaired, for the closing line."""
+
+    def __init__(self):
+        self.binary_files = 0
+        self.replaced = 0  # undecodable bytes turned into U+FFFD
+        self.files_with_replacements = 0
+
+    def decode(self, data: bytes, encoding: str) -> str:
+        text = data.decode(encoding, errors="replace")
+        marker = "\ufffd".encode(encoding, errors="ignore")  # U+FFFD already in the text
+        bad = text.count("\ufffd") - (data.count(marker) if marker else 0)
+        if bad > 0:
+            self.replaced += bad
+            self.files_with_replacements += 1
+        return text
+
+    def notes(self, encoding: str) -> list[str]:
+        notes = []
+        if self.binary_files:
+            notes.append(f"skipped {self.binary_files} binary files")
+        if self.replaced:
+            notes.append(f"replaced {self.replaced} bytes that are not {encoding} in "
+                         f"{self.files_with_replacements} documents with U+FFFD (pass "
+                         "--encoding with the files' encoding, e.g. latin-1)")
+        return notes
+
+
+def _is_binary(data: bytes) -> bool:
+    return b"\0" in data[:8192]
+
+
+def _read(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as err:
+        raise DataError(f"cannot read {path} ({err.strerror}); fix its permissions or leave it "
+                        "out of --input.") from None
+
+
+def read_documents(path: Path, pattern: str, jsonl_key: str, encoding: str = "utf-8",
+                   summary: Summary | None = None):
+    summary = summary or Summary()
     if path.is_dir():
         files = sorted(p for p in path.rglob(pattern) if p.is_file())
         if not files:
             raise DataError(f"--input {path} has no files matching --glob {pattern!r}; pass a "
                             "--glob that matches its text files, e.g. '*.txt'.")
         for file in files:
-            yield file.read_text(encoding="utf-8", errors="replace")
+            data = _read(file)
+            if _is_binary(data):
+                summary.binary_files += 1
+                continue
+            yield summary.decode(data, encoding)
     elif path.suffix == ".jsonl":
-        with open(path, encoding="utf-8") as f:
-            for line_no, line in enumerate(f, 1):
+        with open(path, "rb") as f:
+            for line_no, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode(encoding)
+                except UnicodeDecodeError as err:
+                    raise DataError(f"{path} line {line_no} is not {encoding} text (byte "
+                                    f"{err.start}); fix that line or pass --encoding.") from None
                 if not line.strip():
                     continue
                 try:
@@ -44,17 +100,34 @@ def read_documents(path: Path, pattern: str, jsonl_key: str):
                                     "--jsonl-key with the field that holds the text.")
                 yield str(record[jsonl_key])
     elif path.is_file():
-        yield path.read_text(encoding="utf-8", errors="replace")
+        data = _read(path)
+        if _is_binary(data):
+            raise DataError(f"--input {path} is a binary file (it holds NUL bytes); give a "
+                            "text file, a folder of text files or a .jsonl file.")
+        yield summary.decode(data, encoding)
     else:
         raise DataError(f"--input {path} does not exist; give a folder, a text file or a "
                         ".jsonl file.")
 
 
-def prepare(input_path, out, tokenizer="byte", pattern="*", jsonl_key="text") -> dict:
+def prepare(input_path, out, tokenizer="byte", pattern="*", jsonl_key="text",
+            encoding="utf-8") -> dict:
+    try:
+        "".encode(encoding)
+    except LookupError:
+        raise DataError(f"--encoding {encoding} is not a text encoding Python knows; use e.g. "
+                        "utf-8 or latin-1.") from None
     tok = load_tokenizer(tokenizer)
-    docs = (tok.encode(text) for text in read_documents(Path(input_path), pattern, jsonl_key))
-    return write_indexed(out, docs, vocab_size=tok.vocab_size, tokenizer=tok.name,
-                         eos_id=tok.eos_id)
+    summary = Summary()
+    texts = read_documents(Path(input_path), pattern, jsonl_key, encoding, summary)
+    try:
+        meta = write_indexed(out, (tok.encode(text) for text in texts),
+                             vocab_size=tok.vocab_size, tokenizer=tok.name, eos_id=tok.eos_id)
+    except OSError as err:
+        raise DataError(f"cannot write {out}.bin/.idx ({err.strerror}: {err.filename}); choose "
+                        "an --out prefix in a folder you can write to.") from None
+    meta["notes"] = summary.notes(encoding)
+    return meta
 
 
 @exits_on_user_error
@@ -67,10 +140,15 @@ def main(argv=None) -> int:
                         help="'byte' or a Hugging Face tokenizer.json")
     parser.add_argument("--glob", default="*", help="file pattern inside a folder input")
     parser.add_argument("--jsonl-key", default="text", help="field holding text in JSONL")
+    parser.add_argument("--encoding", default="utf-8",
+                        help="encoding of the input text (undecodable bytes are replaced and "
+                             "counted)")
     args = parser.parse_args(argv)
-    meta = prepare(args.input, args.out, args.tokenizer, args.glob, args.jsonl_key)
+    meta = prepare(args.input, args.out, args.tokenizer, args.glob, args.jsonl_key,
+                   args.encoding)
+    notes = "".join(f"; {note}" for note in meta["notes"])
     print(f"wrote {args.out}.bin/.idx: {meta['num_documents']} documents, "
-          f"{meta['num_tokens']} tokens, vocab {meta['vocab_size']}")
+          f"{meta['num_tokens']} tokens, vocab {meta['vocab_size']}{notes}")
     return 0
 
 

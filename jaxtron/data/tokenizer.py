@@ -41,7 +41,12 @@ class HFTokenizer:
             raise DataError(f"tokenizer file {path} does not exist; pass the tokenizer.json of a "
                             "Hugging Face tokenizer, or 'byte'.")
         self.name = str(path.resolve())
-        self._tok = Tokenizer.from_file(str(path))
+        try:
+            self._tok = Tokenizer.from_file(str(path))
+        except Exception as err:  # tokenizers raises a bare Exception for a malformed file
+            first = (str(err).splitlines() or [type(err).__name__])[0][:200]
+            raise DataError(f"tokenizer file {path} could not be read ({first}); pass the "
+                            "tokenizer.json a Hugging Face tokenizer saves, or 'byte'.") from None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         ids = [self._tok.token_to_id(t) for t in EOS_CANDIDATES]
         self.eos_id = next((i for i in ids if i is not None), None)

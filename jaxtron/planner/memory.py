@@ -43,6 +43,7 @@ import numpy as np
 from flax import nnx
 
 from jaxtron.config import Config
+from jaxtron.errors import ConfigError
 from jaxtron.planner.layout import Layout
 from jaxtron.sharding.rules import logical_names, optimizer_rules, param_rules
 
@@ -178,9 +179,18 @@ def memory_budget_bytes(text: str) -> int:
     units = {"tib": 2**40, "gib": 2**30, "mib": 2**20, "kib": 2**10, "tb": 1e12, "gb": 1e9,
              "mb": 1e6, "kb": 1e3, "b": 1}
     lowered = text.strip().lower()
-    for unit, scale in units.items():
+    number, scale = lowered, 1
+    for unit, unit_scale in units.items():
         if lowered.endswith(unit):
-            return int(float(lowered[: -len(unit)]) * scale)
-    return int(float(lowered))
+            number, scale = lowered[: -len(unit)], unit_scale
+            break
+    try:
+        value = float(number)
+    except ValueError:
+        raise ConfigError(f"--device-memory {text!r} is not an amount of memory; give a number "
+                          "with a unit, e.g. 80GiB, 141GB or 512MiB.") from None
+    if not value > 0:
+        raise ConfigError(f"--device-memory {text!r} must be positive, e.g. 80GiB.")
+    return int(value * scale)
 
 
