@@ -139,9 +139,10 @@ class TrainConfig:
     seed: int = _f(0, "seed for parameters and data order")
     tensorboard: bool = _f(False, "also write the metrics as TensorBoard event files to "
                            "<run_dir>/tensorboard")
-    resume: str = _f("auto", "auto: continue from the newest checkpoint in the run dir; never: "
-                     "start afresh (existing checkpoints are kept, new ones added)",
-                     ("auto", "never"))
+    resume: str = _f("auto", "a previous run in the run dir: auto continues from its newest "
+                     "good checkpoint; never refuses to start; archive moves it to "
+                     "<run_dir>/archive/<time>/ and starts afresh; overwrite deletes it",
+                     ("auto", "never", "archive", "overwrite"))
     on_nan: str = _f("stop", "a non-finite loss or gradient: stop (the last checkpoint stays "
                      "intact) or skip that update", ("stop", "skip"))
     profile_steps: tuple[int, ...] | None = _f(
@@ -176,7 +177,7 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    every: int = _f(0, "steps between checkpoints (0 = only on preemption)")
+    every: int = _f(0, "steps between checkpoints (0 = only at the end and on preemption)")
     keep: int = _f(3, "newest checkpoints kept")
 
 
@@ -317,16 +318,36 @@ def _deep_copy(tree):
 def load(path: str | Path | None, overrides: list[str] = ()) -> Config:
     raw = {}
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist; pass --config with a path such "
-                              "as configs/tiny.yaml.")
-        try:
-            raw = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as err:
-            raise ConfigError(f"config file {path} is not valid YAML ({err}); fix the syntax "
-                              "on the line shown.") from None
+        raw = _read_yaml(Path(path))
     return from_dict(raw, overrides)
+
+
+def _read_yaml(path: Path) -> dict:
+    """The mapping in a config file; every way it can fail is one line naming the file."""
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist; pass --config with a path such "
+                          "as configs/tiny.yaml.")
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"config file {path} is not UTF-8 text (byte {err.start}); save it "
+                          "as UTF-8.") from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        where = getattr(err, "problem_mark", None)
+        line = f" at line {where.line + 1}" if where is not None else ""
+        problem = getattr(err, "problem", None) or type(err).__name__
+        raise ConfigError(f"config file {path} is not valid YAML{line} ({problem}); fix the "
+                          "syntax there.") from None
+    if raw is None:
+        raise ConfigError(f"config file {path} is empty; give at least one section, e.g. "
+                          "'model: {num_layers: 2}', or start from configs/tiny.yaml.")
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config file {path} holds a YAML {type(raw).__name__}, not a "
+                          "mapping of sections; write it as 'section: {key: value}' lines like "
+                          "configs/tiny.yaml.")
+    return raw
 
 
 def _type_name(annotation) -> str:
@@ -379,6 +400,17 @@ def dump(config: Config) -> str:
 # Cross-field checks: each names the fields involved and the fix.
 
 
+def warnings(c: Config) -> list[str]:
+    """Settings that run but probably not as meant; the CLI prints each before training."""
+    found = []
+    if c.optim.warmup_steps > c.train.steps:
+        found.append(f"optim.warmup_steps={c.optim.warmup_steps} exceeds train.steps="
+                     f"{c.train.steps}: the learning rate rises for the whole run and ends at "
+                     f"{c.train.steps / c.optim.warmup_steps:.0%} of optim.lr; lower "
+                     "optim.warmup_steps to reach the peak.")
+    return found
+
+
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
@@ -422,6 +454,13 @@ def validate(c: Config) -> None:
            f"optim.min_lr_ratio={o.min_lr_ratio} must lie in [0, 1].")
     _check(o.warmup_steps >= 0, f"optim.warmup_steps={o.warmup_steps} must be >= 0.")
     _check(o.lr > 0, f"optim.lr={o.lr} must be positive.")
+    for name in ("b1", "b2"):
+        _check(0.0 <= getattr(o, name) < 1.0,
+               f"optim.{name}={getattr(o, name)} must lie in [0, 1) (Adam's decay rates, e.g. "
+               "0.9 and 0.95).")
+    _check(o.eps > 0, f"optim.eps={o.eps} must be positive.")
+    _check(o.weight_decay >= 0, f"optim.weight_decay={o.weight_decay} must be >= 0.")
+    _check(o.grad_clip >= 0, f"optim.grad_clip={o.grad_clip} must be >= 0 (0 = off).")
     _check(t.profile_steps is None or (len(t.profile_steps) == 2
                                        and 1 <= t.profile_steps[0] <= t.profile_steps[1]),
            f"train.profile_steps={list(t.profile_steps or [])} must be [first, last] with "

@@ -83,8 +83,13 @@ def make_train_step(tx: optax.GradientTransformation, schedule: optax.Schedule,
         (_, metrics), grads = grad_fn(state.params, batch["tokens"])
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {**metrics, "grad_norm": optax.tree.norm(grads), "lr": schedule(state.step),
-                   "skipped_updates": optax.tree_utils.tree_get(opt_state, "total_notfinite")}
+        skipped_before = optax.tree_utils.tree_get(state.opt_state, "total_notfinite")
+        skipped = optax.tree_utils.tree_get(opt_state, "total_notfinite")
+        # The rate this update applied: the schedule advances only with applied updates
+        # (optax.apply_if_finite leaves the inner state alone), and a skipped one applied none.
+        lr = jnp.where(skipped > skipped_before, 0.0, schedule(state.step - skipped_before))
+        metrics = {**metrics, "grad_norm": optax.tree.norm(grads), "lr": lr,
+                   "skipped_updates": skipped}
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     return train_step
