@@ -6,8 +6,9 @@ The model is GPT-2 style (learned positions, LayerNorm, GELU, biases, tied embed
 layers, width 384, 6 heads, sequence 256, batch 8, fp32, AdamW with clipping: one full
 training step each. PyTorch uses `scaled_dot_product_attention`; jaxtron is the step
 `jaxtron.train` runs, on one device, as configured, with `model.remat=save_dots` (on a CPU,
-recomputing a block's elementwise work is cheaper than storing it) and with
-`JAXTRON_CPU_MATMULS=xla` (XLA's own matmul library instead of oneDNN). They alternate for
+recomputing a block's elementwise work is cheaper than storing it) and with the opt-in
+`JAXTRON_CPU_MATMULS=onednn` (oneDNN's matmuls instead of XLA's default). Like `jaxtron.train`,
+it first tunes glibc malloc for XLA:CPU (`jaxtron.host_memory`). They alternate for
 `--rounds` rounds and ratios of the medians are printed, so machine noise hits all alike.
 Each line also shows the cores kept busy (process CPU time over wall time; PyTorch's OpenMP
 threads spin while they wait, so its figure is an upper bound on useful work).
@@ -76,7 +77,7 @@ def torch_step():
     return step
 
 
-def jaxtron_step(*overrides: str, matmuls: str = "onednn"):
+def jaxtron_step(*overrides: str, matmuls: str = "xla"):
     import jax
 
     from jaxtron import bench
@@ -117,10 +118,13 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args()
+    from jaxtron.host_memory import keep_freed_host_memory
+
+    keep_freed_host_memory()  # as jaxtron.train does, before JAX starts its threads
     try:
         steps = {"jaxtron": jaxtron_step(),
                  "jaxtron, remat=save_dots": jaxtron_step("model.remat=save_dots"),
-                 "jaxtron, XLA's matmuls": jaxtron_step(matmuls="xla"),
+                 "jaxtron, oneDNN matmuls": jaxtron_step(matmuls="onednn"),
                  "pytorch": torch_step()}
     except ImportError as err:
         print(f"skipped: {err}; pip install torch to compare")

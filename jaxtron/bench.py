@@ -30,6 +30,7 @@ import jax
 import numpy as np
 
 from jaxtron import config as config_lib
+from jaxtron.host_memory import keep_freed_host_memory
 from jaxtron.cpu_matmuls import compiler_options
 from jaxtron.errors import exits_on_user_error
 from jaxtron.export import single_device_config
@@ -153,6 +154,7 @@ def main(argv=None) -> int:
                         help="skip the one-device plain-JAX comparison")
     parser.add_argument("--json", action="store_true", help="last line: one JSON object")
     args = parser.parse_args(argv)
+    keep_freed_host_memory()  # before JAX starts its threads
     config = config_lib.load(args.config, args.overrides)
     report = run(config, args.warmup, args.steps, args.repeats, not args.no_reference)
     print(format_report(report), flush=True)

@@ -1,4 +1,9 @@
-"""One-device CPU steps hand their matmuls to oneDNN instead of XLA:CPU's default, YNNPACK.
+"""Opt-in (`JAXTRON_CPU_MATMULS=onednn`): one-device CPU steps hand their matmuls to oneDNN.
+
+Off by default: the option is experimental in XLA 0.10 and can abort the process (below), it
+keeps every executable built with it alive until exit, and on a fresh clone of this machine it
+measured no faster end to end than XLA's default (`benchmarks/cpu_vs_pytorch.py`,
+docs/performance.md). What it does and why, when asked for:
 
 YNNPACK splits a matmul among threads by tiles of one output matrix, so a batched matmul of
 small matrices, such as attention's per-(batch, head) [64..256, 64] blocks, runs on one core: on
@@ -22,7 +27,7 @@ Limits, all from XLA 0.10's oneDNN support:
 - Linux x86-64 only, where it was measured. XLA itself leaves a dot to YNNPACK when oneDNN
   cannot take it (bf16 without AVX512-BF16, column-major operands).
 
-`JAXTRON_CPU_MATMULS=xla` keeps XLA's default everywhere, e.g. to compare the two.
+`JAXTRON_CPU_MATMULS=xla` (the default) keeps XLA's choice everywhere.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ import jax
 from jaxtron.distributed import LaunchError
 
 ENV = "JAXTRON_CPU_MATMULS"
-CHOICES = ("onednn", "xla")
+CHOICES = ("xla", "onednn")
 
 ONEDNN_MATMULS = {
     "xla_cpu_use_onednn": True,
@@ -47,11 +52,11 @@ ONEDNN_MATMULS = {
 
 
 def matmul_library() -> str:
-    choice = os.environ.get(ENV, "onednn").strip().lower()
+    choice = os.environ.get(ENV, "xla").strip().lower()
     if choice not in CHOICES:
         raise LaunchError(f"the environment variable {ENV}={choice!r} is not a CPU matmul "
-                          f"library: set {ENV}=onednn (the default) or {ENV}=xla (XLA:CPU's "
-                          f"own choice, YNNPACK), or unset it.")
+                          f"library: set {ENV}=xla (the default: XLA:CPU's own choice, "
+                          f"YNNPACK) or {ENV}=onednn (experimental), or unset it.")
     return choice
 
 

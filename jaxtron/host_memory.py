@@ -8,8 +8,9 @@ fresh `mmap` and unmaps it on free, so the next step touches brand-new pages aga
 heap and the next step reuses them (0 faults, the step about 12% faster). PyTorch avoids the same
 cost with per-tensor allocations small enough for glibc's adaptive threshold.
 
-Applied when `jaxtron` is imported, before JAX starts its threads, on glibc systems whose JAX
-runs on one CPU device. Not with several simulated devices: their threads allocate at the same
+Applied by the command-line entry points (`jaxtron.train`, `jaxtron.bench`) before JAX starts
+its threads, on glibc systems whose JAX runs on one CPU device; importing jaxtron changes
+nothing. A notebook can call `keep_freed_host_memory()` itself, first thing. Not with several simulated devices: their threads allocate at the same
 time, one arena serialises them (1.8 -> 1.5 busy cores, the 8-device tiny model 30% slower), and
 their smaller per-device buffers fault far less anyway. The cost is that the process keeps its
 peak host memory until it exits.
@@ -49,8 +50,17 @@ def simulated_cpu_devices() -> int:
     return int(count) if count.isdigit() else 1
 
 
+_APPLIED = False
+
+
+def applied() -> bool:
+    """Whether this process has called `keep_freed_host_memory` with effect."""
+    return _APPLIED
+
+
 def keep_freed_host_memory() -> bool:
     """Tune glibc malloc for XLA:CPU's allocation pattern; returns whether it was applied."""
+    global _APPLIED
     if os.environ.get(ENV, "1") == "0" or not sys.platform.startswith("linux"):
         return False
     if not jax_runs_on_cpu() or simulated_cpu_devices() != 1:
@@ -60,6 +70,7 @@ def keep_freed_host_memory() -> bool:
         libc.gnu_get_libc_version  # noqa: B018  (glibc only: musl and others lack these knobs)
     except (OSError, AttributeError):
         return False
-    applied = [libc.mallopt(_M_ARENA_MAX, 1), libc.mallopt(_M_TRIM_THRESHOLD, _NEVER),
-               libc.mallopt(_M_MMAP_THRESHOLD, _NEVER)]
-    return all(code == 1 for code in applied)
+    codes = [libc.mallopt(_M_ARENA_MAX, 1), libc.mallopt(_M_TRIM_THRESHOLD, _NEVER),
+             libc.mallopt(_M_MMAP_THRESHOLD, _NEVER)]
+    _APPLIED = all(code == 1 for code in codes)
+    return _APPLIED

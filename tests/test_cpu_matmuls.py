@@ -1,4 +1,4 @@
-"""CPU matmul library: one-device CPU steps run their dots on oneDNN, with XLA's results."""
+"""CPU matmul library: XLA's by default; oneDNN on request, with XLA's results."""
 
 import jax
 import numpy as np
@@ -56,14 +56,20 @@ def test_onednn_step_matches_xla_step(monkeypatch, no_persistent_cache):
 @needs_onednn
 def test_a_persistent_compilation_cache_keeps_xlas_matmuls(monkeypatch):
     # The tests run with JAX's persistent compilation cache, which cannot store oneDNN steps.
-    monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.setenv(ENV, "onednn")
     assert jax.config.jax_compilation_cache_dir
+    assert compiler_options(jax.devices()[:1]) is None
+
+
+def test_xla_matmuls_unless_asked(monkeypatch, no_persistent_cache):
+    """An experimental option that can abort the process is never on by default."""
+    monkeypatch.delenv(ENV, raising=False)
     assert compiler_options(jax.devices()[:1]) is None
 
 
 @needs_onednn
 def test_options_only_for_one_cpu_device(monkeypatch, no_persistent_cache):
-    monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.setenv(ENV, "onednn")
     one_cpu = jax.devices()[:1]
     assert compiler_options(one_cpu)["xla_cpu_use_onednn"] is True
     # Several devices would run one oneDNN executable concurrently: XLA then aborts when the
@@ -80,5 +86,5 @@ def test_options_only_for_one_cpu_device(monkeypatch, no_persistent_cache):
 
 def test_unknown_library_names_the_variable(monkeypatch):
     monkeypatch.setenv(ENV, "mkl")
-    with pytest.raises(LaunchError, match=f"{ENV}='mkl'.*{ENV}=onednn"):
+    with pytest.raises(LaunchError, match=f"{ENV}='mkl'.*{ENV}=xla"):
         compiler_options(jax.devices()[:1])

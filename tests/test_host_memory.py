@@ -13,8 +13,10 @@ from jaxtron import host_memory
 # without the tuning it is mapped afresh every step whatever malloc's history; a smaller one
 # may or may not be, and the baseline would be flaky.
 REPEATED_STEPS = """
-import resource
-import jaxtron
+import resource, sys
+import jaxtron, jaxtron.train, jaxtron.trainer  # importing alone must change nothing
+from jaxtron.host_memory import keep_freed_host_memory
+kept = keep_freed_host_memory() if sys.argv[1] == "tune" else False  # as the CLI entry points
 import jax, jax.numpy as jnp
 
 @jax.jit
@@ -27,15 +29,15 @@ step(x).block_until_ready()
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 for _ in range(5):
     step(x).block_until_ready()
-print(jaxtron.HOST_MEMORY_KEPT, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(kept, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
 
 
-def faults_over_five_steps(**env_overrides):
+def faults_over_five_steps(tune=True, **env_overrides):
     env = {key: value for key, value in os.environ.items() if key != "XLA_FLAGS"}
     env.update(JAX_PLATFORMS="cpu", **env_overrides)
-    result = subprocess.run([sys.executable, "-c", REPEATED_STEPS], capture_output=True,
-                            text=True, timeout=120, env=env)
+    result = subprocess.run([sys.executable, "-c", REPEATED_STEPS, "tune" if tune else "import"],
+                            capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 0, result.stderr[-2000:]
     kept, faults = result.stdout.split()
     return kept == "True", int(faults)
@@ -45,10 +47,13 @@ def faults_over_five_steps(**env_overrides):
 def test_one_device_steps_reuse_their_pages():
     kept, faults = faults_over_five_steps()
     untouched, baseline = faults_over_five_steps(JAXTRON_KEEP_HOST_MEMORY="0")
+    _, imported_only = faults_over_five_steps(tune=False)
     assert kept and not untouched
     # Without the tuning every step maps its temporaries afresh: thousands of faults per step.
     assert baseline > 4000, baseline
     assert faults < baseline / 20, (faults, baseline)
+    # Importing jaxtron (and its CLI modules) tunes nothing: faults as many as untuned.
+    assert imported_only > baseline / 2, (imported_only, baseline)
 
 
 def test_applies_only_to_one_cpu_device(monkeypatch):
