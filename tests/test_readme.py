@@ -1,0 +1,89 @@
+"""The README's commands work in the order shown: each shell block is run, at tiny sizes.
+
+Commands run in a scratch folder that links the project's configs/, examples/, jaxtron/ and
+scripts/, so the runs, data and exports they write land there, as they would in a fresh clone.
+Blocks introduced as needing a GPU or a cluster are skipped (their code is covered by the
+lowering tests, tests/test_gpu.py and tests/test_multihost.py), and so are `make test` (this
+suite) and activating the environment (the tests already run inside it). Everything else runs,
+with overrides appended that shrink each training run to a few steps.
+"""
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import FAST_COMPILE_FLAG
+
+ROOT = Path(__file__).parent.parent
+HARDWARE = {"On a machine with an NVIDIA GPU": "needs an NVIDIA GPU",
+            "On a cluster": "needs a cluster"}
+NOT_RUN = {"make test": "this suite", "source .venv/bin/activate": "the tests run inside it"}
+# Appended to shrink a command; later overrides win.
+TINY = {"jaxtron.train": ["train.steps=3", "train.log_every=1", "train.eval_batches=1",
+                          "data.builtin_max_bytes=400000"],
+        "jaxtron.bench": ["--warmup", "1", "--steps", "1", "--repeats", "1"]}
+
+
+def readme_commands() -> list[tuple[str, str | None]]:
+    """(command line, why it is not run or None), in README order."""
+    text = (ROOT / "README.md").read_text()
+    commands = []
+    for match in re.finditer(r"```bash\n(.*?)```", text, re.S):
+        before = text[:match.start()].rstrip().rsplit("\n\n", 1)[-1]
+        hardware = next((h for h in HARDWARE if h in before), None)
+        for line in match.group(1).replace("\\\n", " ").splitlines():
+            line = line.split("  #")[0].strip()
+            if line:
+                why = HARDWARE[hardware] if hardware else NOT_RUN.get(line)
+                commands.append((line, why))
+    return commands
+
+
+def as_argv(line: str) -> tuple[dict, list[str]]:
+    """Leading VAR=value words become environment; `make train` its python command."""
+    words, env = shlex.split(line), {}
+    while words and re.fullmatch(r"[A-Z_]+=.*", words[0]):
+        key, value = words.pop(0).split("=", 1)
+        env[key] = value
+    if words[:2] == ["make", "train"]:
+        words = ["python", "-m", "jaxtron.train", "--config", "configs/tiny.yaml"]
+    if words[0] == "python":
+        words[0] = sys.executable
+        module = words[2] if words[1] == "-m" else ""
+        words += TINY.get(module, [])
+    return env, words
+
+
+def test_every_readme_command_runs_in_order(tmp_path):
+    for name in ("configs", "examples", "jaxtron", "scripts"):
+        (tmp_path / name).symlink_to(ROOT / name)
+    commands = readme_commands()
+    # A user's shell: no device count unless the README sets one (the tests' faster compile
+    # flag is kept on top).
+    shell = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    ran = []
+    for line, why in commands:
+        if why:
+            continue
+        if line.startswith("export "):
+            key, value = line.removeprefix("export ").split("=", 1)
+            shell[key] = value
+            continue
+        extra_env, argv = as_argv(line)
+        env = {**shell, **extra_env}
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {FAST_COMPILE_FLAG}".strip()
+        result = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                                env=env)
+        assert result.returncode == 0, f"{line}\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
+        assert "Traceback" not in result.stderr, f"{line}\n{result.stderr[-3000:]}"
+        ran.append(line)
+    # The walkthrough's products exist where the README says.
+    assert (tmp_path / "exports" / "tiny-hf" / "config.json").is_file()
+    assert (tmp_path / "runs" / "finetune" / "metrics.jsonl").is_file()
+    assert len(ran) >= 20, ran
+    skipped = {line: why for line, why in commands if why}
+    assert all("GPU" in why or "cluster" in why for line, why in skipped.items()
+               if line not in NOT_RUN), skipped
