@@ -42,6 +42,37 @@ class CheckpointError(JaxtronError):
     """A checkpoint that is missing, unreadable or written for another model."""
 
 
+class DamagedCheckpoint(CheckpointError):
+    """A checkpoint whose files cannot be read, or do not hold what was saved."""
+
+
+def _everywhere(ok: bool) -> bool:
+    """Whether `ok` holds in every process (the same answer everywhere)."""
+    if jax.process_count() == 1:
+        return ok
+    import numpy as np
+    from jax.experimental import multihost_utils
+    return bool(np.min(multihost_utils.process_allgather(np.int32(ok))))
+
+
+def _check_same_arrays(saved: dict, abstract_state, where: Path) -> None:
+    """The checkpoint's arrays (named by its fingerprints) against this run's state: a
+    different set means different settings, not damage."""
+    if not isinstance(saved, dict):
+        raise DamagedCheckpoint(f"the fingerprints in {where / 'checksums'} are not a JSON "
+                                "object: the checkpoint is damaged; delete that folder, or set "
+                                "train.resume=archive to start afresh.")
+    paths = {jax.tree_util.keystr(p) for p, _ in
+             jax.tree_util.tree_leaves_with_path(abstract_state)}
+    if set(saved) != paths:
+        extra, missing = sorted(set(saved) - paths), sorted(paths - set(saved))
+        raise CheckpointError(
+            f"the checkpoint at {where} holds a different train state ({len(extra)} arrays "
+            f"this run lacks, e.g. {extra[:1]}; {len(missing)} it lacks, e.g. {missing[:1]}): "
+            "it was saved with other optimizer settings (optim.grad_clip 0 or not); use the "
+            "settings it was saved with, or point train.run_dir at a new folder.")
+
+
 def write_each_array_from_one_replica() -> None:
     """Orbax's default on CPU splits a replicated array among its replicas, so that hosts share
     the writing. Simulated CPU devices live in one process and one memory, so the split only
@@ -105,12 +136,15 @@ class Checkpointer:
 
     def _save_failed(self, err) -> CheckpointError:
         first = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
-        free = shutil.disk_usage(self.directory).free
+        try:
+            free = f"{shutil.disk_usage(self.directory).free / 2**20:,.1f} MiB are"
+        except OSError:
+            free = "no space is"  # the folder itself is gone
         step = self._in_flight
         which = f"checkpoint step {step}" if step is not None else "a checkpoint"
         return CheckpointError(
             f"writing {which} to {self.directory} failed ({type(err).__name__}: {first}); "
-            f"{free / 2**20:,.1f} MiB are free there. Free space or fix the folder, then run "
+            f"{free} free there. Free space or fix the folder, then run "
             f"the same command to resume. {self._intact()}")
 
     def saved_config(self, step: int) -> dict:
@@ -118,7 +152,7 @@ class Checkpointer:
             return self.manager.restore(step, args=ocp.args.Composite(
                 config=ocp.args.JsonRestore()))["config"]
         except Exception as err:
-            raise CheckpointError(
+            raise DamagedCheckpoint(
                 f"the checkpoint at {self.directory / str(step)} has no readable config "
                 f"({type(err).__name__}); it is damaged or was not written by jaxtron: use "
                 "another step or run directory.") from None
@@ -128,39 +162,46 @@ class Checkpointer:
         checking its fingerprints against those saved with it."""
         where = self.directory / str(step)
         check_compatible(self.saved_config(step), config, where)
+        verified = (where / "checksums").exists()  # checkpoints of earlier versions have none
+        saved = self._read(step, where, checksums=ocp.args.JsonRestore())["checksums"] \
+            if verified else None
+        if verified:
+            _check_same_arrays(saved, abstract_state, where)
         items = {"state": ocp.args.StandardRestore(abstract_state),
                  "data": ocp.args.JsonRestore()}
-        verified = (where / "checksums").exists()  # checkpoints of earlier versions have none
-        if verified:
-            items["checksums"] = ocp.args.JsonRestore()
-        try:
-            restored = self.manager.restore(step, args=ocp.args.Composite(**items))
-        except Exception as err:  # Orbax raises many types for damaged files
-            raise CheckpointError(
-                f"the checkpoint at {where} could not be read ({type(err).__name__}: "
-                f"{str(err)[:200]}); it is damaged or incomplete: delete that folder, or set "
-                "train.resume=archive to start afresh.") from None
-        bad = mismatches(restored["checksums"], restored["state"]) if verified else []
+        restored = self._read(step, where, **items)
+        bad = mismatches(saved, restored["state"]) if verified else []
         if bad:
-            raise CheckpointError(
+            raise DamagedCheckpoint(
                 f"the checkpoint at {where} does not hold what was saved: {len(bad)} arrays "
                 f"differ from their fingerprints ({', '.join(bad[:3])}); the files are "
                 "damaged: delete that folder, or set train.resume=archive to start afresh.")
         return restored["state"], restored["data"]
 
+    def _read(self, step: int, where: Path, **items):
+        try:
+            return self.manager.restore(step, args=ocp.args.Composite(**items))
+        except Exception as err:  # Orbax raises many types for damaged files
+            raise DamagedCheckpoint(
+                f"the checkpoint at {where} could not be read ({type(err).__name__}: "
+                f"{str(err)[:200]}); it is damaged or incomplete: delete that folder, or set "
+                "train.resume=archive to start afresh.") from None
+
     def restore_newest_good(self, abstract_state, config: config_lib.Config):
-        """-> (step, state, data_state) of the newest checkpoint that reads back intact, or
-        None when there is none; a damaged one is skipped with a note, never deleted."""
+        """-> (step, state, data_state) of the newest checkpoint that reads back intact in
+        every process, or None when there is none. A damaged one is skipped with a note and
+        set aside; one written for another model or optimizer stops the run instead."""
         steps = sorted(self.manager.all_steps(), reverse=True)
         problems = []
         for step in steps:
             try:
                 state, data = self.restore(step, abstract_state, config)
-            except CheckpointError as err:
-                if "written for a different model" in str(err):
-                    raise
-                problems.append(str(err))
-                print(f"note: skipping a damaged checkpoint: {err}", flush=True)
+                problem = None
+            except DamagedCheckpoint as err:
+                problem = str(err)
+            if not _everywhere(problem is None):  # one host's bad read counts for all
+                problems.append(problem or f"another process could not read step {step}")
+                print(f"note: skipping a damaged checkpoint: {problems[-1]}", flush=True)
                 continue
             self._set_aside(steps[:len(problems)])
             return step, state, data
@@ -173,7 +214,8 @@ class Checkpointer:
 
     def _set_aside(self, steps: list[int]) -> None:
         """Rename damaged step folders to `<step>.damaged`: kept for inspection, out of the
-        way of the steps the resumed run will save again."""
+        way of the steps the resumed run will save again. Every process gets the same `steps`
+        (the damage is agreed), so all of them reach the barrier."""
         if not steps or self.read_only:  # a reader (export, generate) changes nothing
             return
         if jax.process_index() == 0:
@@ -202,7 +244,8 @@ class Checkpointer:
 def check_compatible(saved: dict, config: config_lib.Config, where: Path) -> None:
     """Name every model field whose saved value differs from the current config."""
     current = config_lib.to_dict(config)
-    diffs = [f"model.{k}: checkpoint {saved['model'].get(k)!r}, config "
+    saved = saved if isinstance(saved, dict) else {}
+    diffs = [f"model.{k}: checkpoint {saved.get('model', {}).get(k)!r}, config "
              f"{current['model'][k]!r}" for k in MODEL_FIELDS
              if saved.get("model", {}).get(k) != current["model"][k]]
     diffs += [f"moe.{k}: checkpoint {saved.get('moe', {}).get(k)!r}, config "
@@ -213,6 +256,13 @@ def check_compatible(saved: dict, config: config_lib.Config, where: Path) -> Non
             f"the checkpoint at {where} was written for a different model ({'; '.join(diffs)}). "
             "Use the same model settings as the checkpoint, or point train.run_dir at a new "
             "folder (or set train.resume=never) to start a new run.")
+
+
+def saved_steps(directory: Path) -> list[int]:
+    """The finished checkpoint steps in `directory`, read from the folder names alone."""
+    if not directory.is_dir():
+        return []
+    return sorted(int(p.name) for p in directory.iterdir() if p.is_dir() and p.name.isdigit())
 
 
 def checkpoint_dir(run_dir: str | Path) -> Path:

@@ -127,14 +127,16 @@ def initialize(config: Config, environ=os.environ) -> Launch | None:
     threading.Thread(target=_give_up_after, args=(launch, timeout, joined), daemon=True).start()
     # JAX's own deadline comes later: when it passes, the runtime aborts the process with a
     # C++ stack trace, so the watchdog above ends it first with one line.
-    jax.distributed.initialize(
-        coordinator_address=launch.coordinator_address, num_processes=launch.num_processes,
-        process_id=launch.process_id,
-        local_device_ids=list(launch.local_device_ids) if launch.local_device_ids else None,
-        cluster_detection_method="deactivate",
-        initialization_timeout=timeout + JAX_DEADLINE_MARGIN_S,
-        heartbeat_timeout_seconds=settings.heartbeat_timeout_s)
-    joined.set()
+    try:
+        jax.distributed.initialize(
+            coordinator_address=launch.coordinator_address, num_processes=launch.num_processes,
+            process_id=launch.process_id,
+            local_device_ids=list(launch.local_device_ids) if launch.local_device_ids else None,
+            cluster_detection_method="deactivate",
+            initialization_timeout=timeout + JAX_DEADLINE_MARGIN_S,
+            heartbeat_timeout_seconds=settings.heartbeat_timeout_s)
+    finally:
+        joined.set()  # joined, or failed with an error of its own: the watchdog stands down
     return launch
 
 

@@ -22,7 +22,8 @@ import yaml
 from flax import nnx
 
 from jaxtron import config as config_lib
-from jaxtron.checkpoint import CheckpointError, Checkpointer, check_compatible, checkpoint_dir
+from jaxtron.checkpoint import (CheckpointError, Checkpointer, DamagedCheckpoint,
+                                check_compatible, checkpoint_dir)
 from jaxtron.errors import exits_on_user_error
 from jaxtron.run_dir import cannot_write
 
@@ -50,8 +51,8 @@ def load_training_params(run_dir: str | Path, step: int | None = None):
     if step is not None and step not in steps:
         raise CheckpointError(f"--step {step} was never saved in {directory}; choose one of "
                               f"{', '.join(map(str, steps[-10:]))}.")
-    config = single_device_config(config_lib.from_dict(
-        checkpoints.saved_config(step if step is not None else steps[-1])))
+    config = single_device_config(config_lib.from_dict(_readable_config(checkpoints, steps,
+                                                                        step)))
     trainer = Trainer(config, devices=jax.devices()[:1])
     abstract = trainer.abstract_canonical_state()
     if step is not None:
@@ -59,6 +60,18 @@ def load_training_params(run_dir: str | Path, step: int | None = None):
     else:
         _, state, _ = checkpoints.restore_newest_good(abstract, config)
     return config, nnx.to_pure_dict(state.params)
+
+
+def _readable_config(checkpoints, steps: list[int], step: int | None) -> dict:
+    """The saved config of `step`, or of the newest step whose config reads back."""
+    if step is not None:
+        return checkpoints.saved_config(step)
+    for candidate in reversed(steps):
+        try:
+            return checkpoints.saved_config(candidate)
+        except DamagedCheckpoint as err:
+            print(f"note: skipping a damaged checkpoint: {err}", flush=True)
+    return checkpoints.saved_config(steps[-1])  # raises the newest one's error
 
 
 def load_any(path: str | Path, step: int | None = None):

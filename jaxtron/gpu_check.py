@@ -55,7 +55,10 @@ def _run(command: list[str], limit_s: int, env: dict) -> tuple[dict, str]:
 def _last_json(text: str):
     for line in reversed(text.strip().splitlines()):
         if line.startswith("{"):
-            return json.loads(line)
+            try:
+                return json.loads(line)
+            except json.JSONDecodeError:
+                continue
     return None
 
 
@@ -74,6 +77,7 @@ def _test_cases(junit: Path) -> list[dict]:
 
 def run_tests(env: dict, workdir: Path) -> dict:
     junit = workdir / "gpu_tests.xml"
+    junit.unlink(missing_ok=True)  # never report an earlier run's results
     record, _ = _run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p",
                       "no:cacheprovider", f"--junitxml={junit}", "tests/test_gpu.py"],
                      LIMITS_S["tests"], env)

@@ -363,7 +363,11 @@ def load_hf_dir(hf_dir) -> tuple[dict, dict[str, np.ndarray]]:
         raise DataError(f"{src} has neither {SINGLE_FILE} nor {INDEX_FILE} (found: {found}); "
                         "only safetensors weights are read: save the model with "
                         "safe_serialization=True.")
-    weight_map = _read_json(src / INDEX_FILE).get("weight_map", {})
+    index = _read_json(src / INDEX_FILE)
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict):
+        raise DataError(f"{src / INDEX_FILE} has no weight_map object; download the model "
+                        "folder again.")
     tensors = {}
     for filename in sorted(set(weight_map.values())):
         if not (src / filename).is_file():

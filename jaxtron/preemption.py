@@ -9,6 +9,7 @@ collective. There the agreement JAX already provides decides: the distributed ru
 preemption notifier catches SIGTERM in whichever process gets it, the coordination service tells
 the others, and `multihost_utils.reached_preemption_sync_point(step)` turns true at the same
 step everywhere. SIGINT (Ctrl-C at a terminal) is passed on as SIGTERM to take the same road.
+JAX's handler owns SIGTERM there, so a second SIGTERM does not exit at once (SIGKILL does).
 """
 
 from __future__ import annotations

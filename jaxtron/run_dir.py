@@ -84,7 +84,7 @@ def locked(run_dir: Path) -> Iterator[None]:
     _writable(run_dir)
     path = run_dir / LOCK
     me = _holder()
-    for _ in range(2):
+    for _ in range(3):
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
@@ -101,13 +101,19 @@ def locked(run_dir: Path) -> Iterator[None]:
                     f"train.run_dir={run_dir} is in use by another run ({who}); wait for it to "
                     f"finish, choose another train.run_dir, or, if that process is gone, delete "
                     f"{path}.") from None
-            print(f"note: taking over {path} from pid {holder['pid']} on {holder['host']}, "
-                  "which no longer runs", flush=True)
-            path.unlink(missing_ok=True)
+            # Renaming is atomic: of two runs that find the same stale lock, one moves it.
+            with contextlib.suppress(FileNotFoundError):
+                os.rename(path, run_dir / f"{LOCK}.stale-{os.getpid()}")
+                print(f"note: taking over {path} from pid {holder['pid']} on "
+                      f"{holder['host']}, which no longer runs", flush=True)
+                (run_dir / f"{LOCK}.stale-{os.getpid()}").unlink()
             continue
         with os.fdopen(fd, "w") as f:
             json.dump(me, f)
         break
+    else:
+        raise RunDirError(f"train.run_dir={run_dir}: could not take {path} (other runs keep "
+                          "replacing it); start one run at a time in this folder.")
     try:
         yield
     finally:
@@ -137,8 +143,11 @@ def clear_previous_run(run_dir: Path, mode: str, found: str) -> None:
             "choose another train.run_dir.")
     present = [run_dir / name for name in RUN_FILES if (run_dir / name).exists()]
     if mode == "archive":
-        target = run_dir / "archive" / time.strftime("%Y%m%d-%H%M%S")
-        target.mkdir(parents=True, exist_ok=False)
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        target, n = run_dir / "archive" / stamp, 1
+        while target.exists():
+            target, n = run_dir / "archive" / f"{stamp}-{n}", n + 1
+        target.mkdir(parents=True)
         for path in present:
             shutil.move(str(path), target / path.name)
         print(f"note: moved the previous run ({found}) to {target}", flush=True)

@@ -76,7 +76,7 @@ def run(config: config_lib.Config) -> dict:
             try:
                 held.enter_context(locked(run_dir))
                 _settle_previous_run(config, run_dir)
-            except RunDirError as err:
+            except Exception as err:  # any failure: the other processes must hear of it
                 problem = err
         if jax.process_count() > 1:
             # Every process learns whether process 0 could take the folder: none is left
@@ -138,6 +138,7 @@ def _run(c: config_lib.Config, run_dir: Path) -> dict:
               f"{library}; run dir {run_dir}", flush=True)
 
     policy = LoopPolicy.from_config(c)
+    watch = NonFiniteWatch(c, checkpoints, state)
     reporter = Reporter(log, start, flops_per_step, tokens_per_step, peak)
     profiler = StepProfiler(run_dir, c.train.profile_steps, enabled=is_main)
     step = start
@@ -150,7 +151,7 @@ def _run(c: config_lib.Config, run_dir: Path) -> dict:
             data_state = batches.get_state()  # the stream position after this step's batch
             if step < c.train.steps:
                 batch = trainer.put_batch(next(batches))  # overlaps with the running step
-            _check_finite(reporter.flush(), c, checkpoints)  # the previous step's row
+            watch.check(reporter.flush())  # the previous step's row
             checkpoints.check()  # a background save that failed stops the run now
             act = policy.after(step, guard.stop_requested(step))
             eval_loss = None
@@ -162,12 +163,12 @@ def _run(c: config_lib.Config, run_dir: Path) -> dict:
                 reporter.add_eval_time(time.perf_counter() - eval_start)
             if act.log:
                 reporter.hold(step, metrics, eval_loss)
-            if act.save:
-                _check_finite(reporter.flush(), c, checkpoints)  # never save past a bad step
+            if act.save:  # never save past a bad step, logged or not
+                watch.check(reporter.flush() or _unlogged(step, metrics))
                 checkpoints.save(step, trainer.canonical_state(state), data_state, c)
             if act.stop:
                 break
-        _check_finite(reporter.flush(), c, checkpoints)
+        watch.check(reporter.flush())
     last = reporter.last
     if is_main:
         plot_loss_curve(run_dir)
@@ -203,15 +204,15 @@ def _finishing(checkpoints, profiler, log):
 
 
 def _settle_previous_run(c: config_lib.Config, run_dir: Path) -> None:
-    """train.resume=never/archive/overwrite against what a previous run left here."""
-    from jaxtron.checkpoint import Checkpointer, checkpoint_dir
+    """train.resume=never/archive/overwrite against what a previous run left here. Process 0
+    alone runs this, so it reads the folder without Orbax (whose manager synchronises every
+    process when created)."""
+    from jaxtron.checkpoint import checkpoint_dir, saved_steps
 
     if c.train.resume == "auto":
         return
-    existing = checkpoint_dir(run_dir)
-    latest = (Checkpointer(existing, 1, read_only=True).latest_step()
-              if existing.is_dir() else None)
-    found = previous_run(run_dir, latest)
+    steps = saved_steps(checkpoint_dir(run_dir))
+    found = previous_run(run_dir, steps[-1] if steps else None)
     if found:
         clear_previous_run(run_dir, c.train.resume, found)
 
@@ -231,13 +232,36 @@ def _initial_state(trainer, checkpoints, batches):
     return state, None
 
 
-def _check_finite(record: dict | None, c: config_lib.Config, checkpoints) -> None:
-    if record is None:
-        return
-    bad = not (math.isfinite(record["loss"]) and math.isfinite(record["grad_norm"]))
-    if c.train.on_nan == "stop" and (bad or record.get("skipped_updates", 0) > 0):
-        latest = checkpoints.latest_step()
-        where = (f"the last checkpoint, step {latest} in {checkpoints.directory}, is intact"
+def _unlogged(step: int, metrics) -> dict:
+    """The values a finiteness check needs from a step that writes no metrics row."""
+    values = jax.device_get(metrics)
+    return {"step": step, "loss": float(values["loss"]), "grad_norm": float(values["grad_norm"]),
+            "skipped_updates": int(values.get("skipped_updates", 0))}
+
+
+class NonFiniteWatch:
+    """train.on_nan=stop: end the run at a non-finite loss or gradient, or at an update the
+    optimizer skipped since the previous check. The optimizer's skip count is cumulative and
+    lives in the checkpoint, so it is compared with the last value seen, not with zero: a run
+    resumed from a checkpoint with earlier skips (under on_nan=skip) is not stopped for them."""
+
+    def __init__(self, config: config_lib.Config, checkpoints, state):
+        import optax
+
+        self.config, self.checkpoints = config, checkpoints
+        self.skipped = int(jax.device_get(optax.tree_utils.tree_get(state.opt_state,
+                                                                    "total_notfinite")))
+
+    def check(self, record: dict | None) -> None:
+        if record is None:
+            return
+        skipped, self.skipped = record.get("skipped_updates", 0) > self.skipped, max(
+            self.skipped, record.get("skipped_updates", 0))
+        bad = not (math.isfinite(record["loss"]) and math.isfinite(record["grad_norm"]))
+        if self.config.train.on_nan != "stop" or not (bad or skipped):
+            return
+        latest = self.checkpoints.latest_step()
+        where = (f"the last checkpoint, step {latest} in {self.checkpoints.directory}, is intact"
                  if latest is not None else "no checkpoint had been written")
         raise NonFiniteError(
             f"a non-finite loss or gradient appeared at or before step {record['step']} "

@@ -18,7 +18,7 @@ import pytest
 
 PACKAGE = Path(__file__).parent.parent / "jaxtron"
 USER_ERRORS = {"JaxtronError", "ConfigError", "DataError", "CheckpointError", "LaunchError",
-               "NonFiniteError"}
+               "NonFiniteError", "DamagedCheckpoint", "RunDirError"}
 FIELD = re.compile(r"\b[a-z_]+\.[a-z_]+\b|--[a-z][a-z-]+|\b[A-Z][A-Z_]{3,}\b|\bfolder\b|"
                    r"\bfile\b|\bdirectory\b|\.bin\b|\.idx\b")
 FIELD_VALUES = re.compile(r"path|prefix|key|name|field|where|dotted|text|directory|folder|"

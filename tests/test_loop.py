@@ -3,6 +3,9 @@ save where asked, and resume to the uninterrupted run's losses."""
 
 import random
 
+import jax
+import numpy as np
+
 import pytest
 
 from jaxtron import train
@@ -73,3 +76,36 @@ def test_checkpoint_steps_that_are_not_log_steps(tmp_path):
     assert [r["step"] for r in metric_records(tmp_path)] == [10, 12]
     saved = Checkpointer(checkpoint_dir(tmp_path), 100, read_only=True).manager.all_steps()
     assert sorted(saved) == [5, 10, 12]
+
+
+def test_a_bad_step_is_never_saved_even_when_it_is_not_logged(tmp_path):
+    """Save at every step, log every tenth: the step whose update went non-finite must stop
+    the run before its checkpoint, though it writes no metrics row."""
+    config = make_config({"train.steps": 8, "train.log_every": 10, "checkpoint.every": 1,
+                          "checkpoint.keep": 100, "train.run_dir": str(tmp_path),
+                          "optim.lr": 1e8, "optim.warmup_steps": 0, "optim.grad_clip": 0})
+    with pytest.raises(train.NonFiniteError):
+        train.run(config)
+    saved = Checkpointer(checkpoint_dir(tmp_path), 100, read_only=True).manager.all_steps()
+    assert saved and max(saved) < 8  # stopped early, at the first bad step
+    # Every saved step restores finite parameters.
+    from jaxtron.trainer import Trainer
+    trainer = Trainer(config)
+    for step in saved:
+        state, _ = Checkpointer(checkpoint_dir(tmp_path), 100, read_only=True).restore(
+            step, trainer.abstract_canonical_state(), trainer.config)
+        assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state.params))
+
+
+def test_skips_recorded_in_a_checkpoint_do_not_stop_a_resumed_run():
+    class Saved:
+        directory = "runs/x/checkpoints"
+
+        def latest_step(self):
+            return 4
+
+    watch = train.NonFiniteWatch.__new__(train.NonFiniteWatch)
+    watch.config, watch.checkpoints, watch.skipped = make_config(), Saved(), 3
+    watch.check({"step": 5, "loss": 2.0, "grad_norm": 1.0, "skipped_updates": 3})
+    with pytest.raises(train.NonFiniteError, match="step 6 in|at or before step 6"):
+        watch.check({"step": 6, "loss": 2.0, "grad_norm": 1.0, "skipped_updates": 4})

@@ -66,8 +66,9 @@ def write_indexed(prefix: str | Path, documents, *, vocab_size: int, tokenizer: 
 
 
 HEADER = len(MAGIC) + 8 + 1 + 8 + 8
-# Above this many tokens a recorded max_token_id is trusted instead of scanning the .bin.
-SCAN_LIMIT = 2**28
+# Datasets without a recorded max_token_id (Megatron's own, or older) are scanned when they
+# hold at most this many tokens (a second or two); larger ones are not read in full at start.
+SCAN_LIMIT = 2**30
 
 
 class IndexedDataset:
@@ -145,13 +146,23 @@ class IndexedDataset:
     def vocab_size(self) -> int:
         if "vocab_size" in self.meta:
             return int(self.meta["vocab_size"])
-        return self.max_token_id() + 1
+        largest = self.max_token_id()
+        return largest + 1 if largest is not None else 0
 
-    def max_token_id(self) -> int:
-        """The largest id in the .bin: scanned (in chunks) unless the dataset is large and the
-        sidecar recorded it at prepare time."""
+    def max_token_id(self) -> int | None:
+        """The largest id in the .bin: recorded at prepare time, else scanned in chunks when
+        the dataset is small enough (None: too large to scan at every start, not recorded)."""
         recorded = self.meta.get("max_token_id")
-        if isinstance(recorded, int) and self.tokens.size > SCAN_LIMIT:
+        if isinstance(recorded, int):
             return recorded
-        chunk = 2**24
-        return max(int(self.tokens[i:i + chunk].max()) for i in range(0, self.tokens.size, chunk))
+        if self.tokens.size > SCAN_LIMIT:
+            return None
+        chunk, low, high = 2**24, 0, 0
+        for i in range(0, self.tokens.size, chunk):
+            part = self.tokens[i:i + chunk]
+            low, high = min(low, int(part.min())), max(high, int(part.max()))
+        if low < 0:
+            raise DataError(f"{self.prefix}.bin holds the negative token id {low}; token ids "
+                            "start at 0: prepare the data again with python -m "
+                            "jaxtron.data.prepare.")
+        return high

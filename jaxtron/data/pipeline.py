@@ -66,10 +66,14 @@ def open_dataset(config: Config) -> IndexedDataset:
                         f"model.vocab_size={dataset.vocab_size} or more.")
     # The sidecar's word is not enough: an id past the embedding table gathers garbage (NaN at
     # the first step on GPUs). Ids that the token dtype cannot exceed need no scan.
-    bounded = dataset.dtype.kind in "iu" and np.iinfo(dataset.dtype).max < vocab
+    bounded = dataset.dtype.kind == "u" and np.iinfo(dataset.dtype).max < vocab
     if not bounded:
         largest = dataset.max_token_id()
-        if largest >= vocab:
+        if largest is None:
+            print(f"note: {dataset.tokens.size:,} tokens in {path}.bin and no max_token_id in "
+                  f"its .json: token ids were not checked against model.vocab_size",
+                  file=sys.stderr, flush=True)
+        elif largest >= vocab:
             raise DataError(f"the dataset at data.path={config.data.path} holds token id "
                             f"{largest}, outside model.vocab_size={vocab} (its {path}.json "
                             f"says vocab_size {dataset.meta.get('vocab_size', '-')}); set "

@@ -128,8 +128,12 @@ def attention(q, k, v, *, causal: bool = True, segment_ids=None, impl="auto"):
             raise ConfigError("packed segments are not supported with context parallelism; "
                               "set mesh.sequence=1 or train on unpacked windows.")
         return ring_attention(q, k, v, mesh=mesh, causal=causal)
+    # JAX's cuDNN mask is top-left aligned; with fewer queries than keys every other kernel
+    # aligns bottom-right, so such calls do not go to cuDNN (as with packed segments).
+    unaligned = causal and q.shape[1] != k.shape[1]
     choose = functools.partial(kernel_for, impl, dtype=q.dtype, head_dim=q.shape[-1],
-                               segments=segment_ids is not None, cudnn_here=cudnn_present())
+                               segments=segment_ids is not None or unaligned,
+                               cudnn_here=cudnn_present())
     if impl is AttentionImpl.CUDNN:
         return _run(choose("cuda"), q, k, v, segment_ids, causal=causal, mesh=mesh)
     if target_platform() is not None:
