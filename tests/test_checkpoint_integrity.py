@@ -149,3 +149,16 @@ def test_a_write_failing_in_the_background_stops_the_run_at_the_next_step(tmp_pa
     assert "No checkpoint had been written" in last
     assert metric_records(tmp_path)[-1]["step"] < 40
     assert Checkpointer(checkpoint_dir(tmp_path), 3, read_only=True).latest_step() is None
+
+
+def test_other_optimizer_settings_are_named_not_taken_for_damage(tmp_path, capsys):
+    config = config_for(tmp_path, 2)
+    train.run(config)
+    (tmp_path / "config.yaml").write_text(config_lib.dump(config))
+    capsys.readouterr()
+    # No clipping drops a stage of the optimizer chain: a different train state.
+    assert train.main(["--config", str(tmp_path / "config.yaml"), "train.steps=4",
+                       "optim.grad_clip=0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "holds a different train state" in err and "optim.grad_clip" in err
+    assert (tmp_path / "checkpoints" / "2").is_dir()  # left where it was
