@@ -52,7 +52,7 @@ class Trainer:
                          else None)
         self.loss_fn = make_loss_fn(self.graphdef)
 
-        abstract = jax.eval_shape(self._init)
+        self._abstract = abstract = jax.eval_shape(self._init)  # traced once, reused below
         replicated = NamedSharding(self.mesh, PartitionSpec())
         self.state_shardings = self._shardings(abstract)
         self.batch_sharding = NamedSharding(self.mesh, spec_for(("batch", None),
@@ -135,7 +135,7 @@ class Trainer:
     def abstract_state(self) -> TrainState:
         """Shapes, dtypes and shardings of the state, without allocating it."""
         return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                            jax.eval_shape(self._init), self.state_shardings)
+                            self._abstract, self.state_shardings)
 
     def abstract_batch(self) -> dict:
         shape = (self.config.train.batch_size, self.config.data.seq_len + 1)
