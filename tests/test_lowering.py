@@ -112,6 +112,7 @@ LAYOUTS = {
     "expert_capacity": {"mesh.data": 4, "mesh.expert": 2, "moe.num_experts": 4},
     "expert_dropless": {"mesh.data": 4, "mesh.expert": 2, "moe.num_experts": 4,
                         "moe.mode": "dropless"},
+    "dropless": {"mesh.data": 8, "moe.num_experts": 4, "moe.mode": "dropless"},
     "zero2": {"mesh.data": 8, "optim.zero_stage": 2},
     "grad_accum": {"mesh.data": 8, "optim.grad_accum": 2, "train.batch_size": 16},
 }

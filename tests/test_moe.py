@@ -8,12 +8,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxtron import config as config_lib
 from jaxtron.data.pipeline import open_dataset, train_batches
 from jaxtron.errors import ConfigError
 from jaxtron.flops import matmul_params
-from jaxtron.models.moe import MoE, capacity, capacity_slots, load_balancing_loss, route
+from jaxtron.models.moe import (MoE, capacity, capacity_slots, load_balancing_loss, route,
+                                top_k)
 from jaxtron.trainer import Trainer
 
 from conftest import long_run_env, make_config, metric_records
@@ -53,6 +55,25 @@ def test_dropless_equals_the_dense_reference(router):
     want, _ = dense_reference(layer, x)
     np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-5)
     assert float(stats["dropped"]) == 0.0
+
+
+def test_top_k_equals_lax_top_k_with_ties_and_gradients():
+    x = jnp.round(jax.random.normal(jax.random.key(1), (3, 5, 8)) * 2) / 2  # many ties
+    got, want = top_k(x, 3), jax.lax.top_k(x, 3)
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])
+    cotangent = jax.random.normal(jax.random.key(2), (3, 5, 3))
+    grad = jax.grad(lambda x, f: jnp.sum(f(x, 3)[0] * cotangent), argnums=0)
+    np.testing.assert_array_equal(grad(x, top_k), grad(x, jax.lax.top_k))
+
+
+def test_routing_stays_on_the_devices_that_hold_the_tokens():
+    """XLA gathers a TopK's operand onto every device; routing by sort must not."""
+    sharding = NamedSharding(Mesh(np.array(jax.devices()), ("data",)), PartitionSpec("data"))
+    logits = jax.device_put(tokens_x(b=8, d=4), sharding)
+    for order in ("topk_then_softmax", "softmax_then_topk"):
+        hlo = jax.jit(lambda x: route(x, 2, order)).lower(logits).compile().as_text()
+        assert "all-gather" not in hlo, order
 
 
 def predicted_keep(experts_BxLxK, num_experts, slots):
@@ -125,6 +146,36 @@ def test_expert_parallel_matches_single_device(moe):
     np.testing.assert_allclose(got[0], ref[0], rtol=1e-6)
     for a, b in zip(jax.tree.leaves(got[1]), jax.tree.leaves(ref[1]), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("layout", [{"mesh.data": 8},
+                                    {"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2}])
+def test_dropless_data_parallel_matches_single_device(layout):
+    moe = {"num_experts": 4, "mode": "dropless"}
+    ref = grads_of({"mesh.data": 1}, moe, jax.devices()[:1])
+    got = grads_of(layout, moe, jax.devices())
+    np.testing.assert_allclose(got[0], ref[0], rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(got[1]), jax.tree.leaves(ref[1]), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def step_flops(overrides, devices):
+    config = config_lib.load("configs/tiny.yaml", [
+        "model.num_layers=2", "model.d_model=64", "model.mlp_dim=128", "moe.num_experts=4",
+        "moe.top_k=2", "moe.mode=dropless", "data.seq_len=32", "train.batch_size=16",
+        "data.builtin_max_bytes=400000", *overrides])
+    trainer = Trainer(config, devices=devices)
+    compiled = trainer.compile_step(trainer.abstract_state(), trainer.abstract_batch())
+    return compiled.cost_analysis()["flops"]
+
+
+def test_dropless_work_divides_over_data_parallel_devices():
+    """Each device sorts and multiplies only its own sequences: per-device FLOPs of the train
+    step on data=8 are about 1/8 of one device's for the same global batch (a global sort made
+    every device do all of it: 0.87)."""
+    one = step_flops(["mesh.data=1"], jax.devices()[:1])
+    eight = step_flops(["mesh.data=8"], jax.devices())
+    assert eight <= 0.2 * one, eight / one
 
 
 def test_expert_parallel_dispatches_with_all_to_all_and_shards_experts():

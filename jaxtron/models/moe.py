@@ -11,9 +11,17 @@ Execution, chosen by `moe.mode`:
   claim slots first by choice rank (all first choices before any second choice), then by
   position; an assignment that finds its expert full is dropped and the token keeps only its
   residual. Tokens move through one-hot dispatch/combine einsums, so the capacity is static.
-- `dropless`: every assignment is computed: assignments are sorted by expert and run through a
-  grouped matmul (`jax.lax.ragged_dot`). Under expert parallelism the same semantics run as the
-  capacity path with C = L (a sequence can never send more than L tokens to one expert).
+- `dropless`: every assignment is computed. Each sequence sorts its own L * k assignments by
+  expert and runs them through one grouped matmul, `ragged_dot_general` over x[B, L*k, D] with
+  group sizes [B, E] (one row of E sizes per sequence). Routing a token depends only on the
+  token, so this equals one global sort; but B is the axis sharded over data/fsdp, so each
+  device sorts and multiplies only its own sequences: per-device work falls as 1/(data*fsdp),
+  where a global sort gathered every assignment onto every device. Under expert parallelism the
+  same semantics run as the capacity path with C = L (a sequence can never send more than L
+  tokens to one expert).
+
+Top-k is taken with a stable sort rather than `lax.top_k`: XLA's SPMD partitioner gathers a
+TopK's whole operand onto every device, a sort it splits along the batch.
 
 Expert parallelism is in `jaxtron.sharding.experts`: dispatched tokens cross the `expert` mesh
 axis with all-to-all. Routing decisions depend only on the sequence, so every layout routes and
@@ -35,13 +43,23 @@ from jaxtron.sharding.experts import expert_ffn, expert_parallel_active
 from jaxtron.sharding.rules import constrain
 
 
-def route(logits_BxLxE, top_k: int, order: str):
+def top_k(x_BxLxE, k: int):
+    """`jax.lax.top_k` over the last axis (ties to the lower index), written as a stable sort:
+    XLA's SPMD partitioner splits a sort along its other axes, but gathers a TopK's whole
+    operand (every token's scores) onto every device and routes all tokens there."""
+    axis = x_BxLxE.ndim - 1
+    iota = jax.lax.broadcasted_iota(jnp.int32, x_BxLxE.shape, axis)
+    negated, index = jax.lax.sort((-x_BxLxE, iota), dimension=axis, num_keys=1, is_stable=True)
+    return -negated[..., :k], index[..., :k]
+
+
+def route(logits_BxLxE, k: int, order: str):
     """-> (weights_BxLxK, experts_BxLxK, probs_BxLxE) with probs the full softmax."""
     probs = jax.nn.softmax(logits_BxLxE, axis=-1)
     if order == "softmax_then_topk":
-        weights, experts = jax.lax.top_k(probs, top_k)
+        weights, experts = top_k(probs, k)
     else:
-        top_logits, experts = jax.lax.top_k(logits_BxLxE, top_k)
+        top_logits, experts = top_k(logits_BxLxE, k)
         weights = jax.nn.softmax(top_logits, axis=-1)
     return weights, experts, probs
 
@@ -75,6 +93,20 @@ def capacity_slots(experts_BxLxK, num_experts: int, slots: int):
     slot_BxKL = jnp.sum(position * onehot_BxKLxE, axis=-1)
     slot_BxLxK = slot_BxKL.reshape(b, k, length).transpose(0, 2, 1)
     return slot_BxLxK, slot_BxLxK < slots
+
+
+# Mode 1 of ragged_dot_general with one extra outer dimension: lhs [B, A, D] is ragged along A
+# in every row b (group sizes [B, E]), rhs [E, D, F] is grouped by expert. The batch row is a
+# plain non-contracting dimension, so GSPMD splits it like any batch axis. (vmap of ragged_dot
+# over an unbatched rhs is not implemented in jax 0.10.)
+_PER_ROW_RAGGED = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([2], [1]), ([], [])), lhs_ragged_dimensions=[1],
+    rhs_group_dimensions=[0])
+
+
+def grouped_matmul(x_BxAxD, w_ExDxF, sizes_BxE):
+    """y[b, a] = x[b, a] @ w[e] for the expert e whose group (in row b's order) holds a."""
+    return jax.lax.ragged_dot_general(x_BxAxD, w_ExDxF, sizes_BxE, _PER_ROW_RAGGED)
 
 
 class MoE(nnx.Module):
@@ -132,18 +164,26 @@ class MoE(nnx.Module):
         return constrain(y_BxLxD, ("batch", "residual_seq", "embed")), keep_BxLxK
 
     def _dropless(self, x_BxLxD, weights_BxLxK, experts_BxLxK, weights):
+        """Every assignment through its expert, one sort and one grouped matmul per sequence.
+
+        Routing a token depends only on the token, so grouping the assignments by sequence gives
+        the same result as one global sort; but the batch axis is the one sharded over
+        data/fsdp, so every device sorts and multiplies only its own sequences (a global sort
+        would gather all assignments onto every device and repeat all the work there)."""
         b, length, d = x_BxLxD.shape
-        k = self.moe.top_k
-        x_TxD = x_BxLxD.reshape(b * length, d)
-        expert_A = experts_BxLxK.reshape(-1)  # A = T * k assignments, token-major
-        order_A = jnp.argsort(expert_A, stable=True)
-        token_A = order_A // k
-        sizes_E = jnp.bincount(expert_A, length=self.moe.num_experts).astype(jnp.int32)
+        k, e, dt = self.moe.top_k, self.moe.num_experts, x_BxLxD.dtype
+        expert_BxA = experts_BxLxK.reshape(b, length * k)  # A = L * k assignments, token-major
+        order_BxA = jnp.argsort(expert_BxA, axis=-1, stable=True)
+        sizes_BxE = jax.nn.one_hot(expert_BxA, e, dtype=jnp.int32).sum(axis=1)
+        x_BxAxD = jnp.take_along_axis(x_BxLxD, (order_BxA // k)[..., None], axis=1)
+        x_BxAxD = constrain(x_BxAxD, ("batch", None, "embed"))
         w_gate, w_up, w_down = weights
-        x_AxD = x_TxD[token_A]
-        h_AxF = swiglu(jax.lax.ragged_dot(x_AxD, w_gate, sizes_E),
-                       jax.lax.ragged_dot(x_AxD, w_up, sizes_E))
-        y_AxD = jax.lax.ragged_dot(h_AxF, w_down, sizes_E)
-        gate_A = weights_BxLxK.reshape(-1)[order_A].astype(y_AxD.dtype)
-        y_TxD = jnp.zeros_like(x_TxD).at[token_A].add(y_AxD * gate_A[:, None])
-        return y_TxD.reshape(b, length, d)
+        h_BxAxF = swiglu(grouped_matmul(x_BxAxD, w_gate, sizes_BxE),
+                         grouped_matmul(x_BxAxD, w_up, sizes_BxE))
+        h_BxAxF = constrain(h_BxAxF, ("batch", None, "mlp"))
+        y_BxAxD = grouped_matmul(h_BxAxF, w_down, sizes_BxE)
+        unsort_BxA = jnp.argsort(order_BxA, axis=-1)  # the inverse permutation: back to token-major
+        y_BxLxKxD = jnp.take_along_axis(y_BxAxD, unsort_BxA[..., None], axis=1).reshape(
+            b, length, k, d)
+        y_BxLxD = jnp.einsum("blkd,blk->bld", y_BxLxKxD, weights_BxLxK.astype(dt))
+        return constrain(y_BxLxD, ("batch", "residual_seq", "embed"))
