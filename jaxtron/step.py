@@ -1,9 +1,10 @@
 """The pure training step: `train_step(state, batch) -> (state, metrics)`.
 
 The step has no flags. How gradients are computed is a function passed in, built by composing
-`plain_grads` (one pass over the batch), `sharded_grads` (ZeRO-2 placement) and
-`accumulated_grads` (sum over microbatches with `lax.scan`; the optimizer still takes one step
-per global batch, and the loss is the same mean).
+`plain_grads` (one pass over the batch), `accumulated_grads` (sum over microbatches with
+`lax.scan`; the optimizer still takes one step per global batch, and the loss is the same mean)
+and `sharding.data_parallel.reduce_once` (one data-parallel reduction per step; ZeRO-2's
+reduce-scatter).
 """
 
 from __future__ import annotations
@@ -42,17 +43,6 @@ def make_loss_fn(graphdef: nnx.GraphDef):
 
 def plain_grads(loss_fn) -> GradFn:
     return jax.value_and_grad(loss_fn, has_aux=True)
-
-
-def sharded_grads(grad_fn: GradFn, shardings) -> GradFn:
-    """ZeRO-2: constrain gradients to the optimizer-state sharding as soon as they exist, so the
-    data-parallel all-reduce becomes a reduce-scatter and no device holds all gradients."""
-
-    def fn(params, tokens):
-        out, grads = grad_fn(params, tokens)
-        return out, jax.lax.with_sharding_constraint(grads, shardings)
-
-    return fn
 
 
 def accumulated_grads(grad_fn: GradFn, microbatches: int) -> GradFn:

@@ -29,8 +29,9 @@ from jaxtron.platforms import building_for, for_platform, platform_of
 from jaxtron.sharding.mesh import build_mesh
 from jaxtron.sharding.rules import (activation_rules, activation_sharding, check_rules,
                                     optimizer_rules, param_rules, spec_for, variable_shardings)
+from jaxtron.sharding.data_parallel import reduce_once
 from jaxtron.step import (TrainState, accumulated_grads, make_eval_step, make_loss_fn,
-                          make_train_step, plain_grads, sharded_grads)
+                          make_train_step, plain_grads)
 
 
 class Trainer:
@@ -57,13 +58,7 @@ class Trainer:
         self.state_shardings = self._shardings(abstract)
         self.batch_sharding = NamedSharding(self.mesh, spec_for(("batch", None),
                                                                 self.activation_rules, self.mesh))
-        grad_fn = (self.pipeline.value_and_grad if self.pipeline
-                   else plain_grads(self.loss_fn))
-        if config.optim.zero_stage >= 2:
-            grad_fn = sharded_grads(grad_fn, variable_shardings(
-                abstract.params, optimizer_rules(config), self.mesh))
-        if config.optim.grad_accum > 1:
-            grad_fn = accumulated_grads(grad_fn, config.optim.grad_accum)
+        grad_fn = self._grad_fn(abstract)
         self.compiler_options = options = compiler_options(self.mesh.devices)
         self._step = jax.jit(make_train_step(self.tx, self.schedule, grad_fn),
                              in_shardings=(self.state_shardings, self.batch_sharding),
@@ -77,6 +72,23 @@ class Trainer:
                              out_shardings=replicated, compiler_options=options)
         if options:
             keep_until_exit(self._step, self._grads, self._eval)
+
+    def _grad_fn(self, abstract: TrainState):
+        """Gradients of one step: accumulated over `optim.grad_accum` microbatches, and with
+        more than one data-parallel rank reduced over `data` once per step (reduce-scattered
+        like the optimizer state under ZeRO-2), see `sharding/data_parallel.py`."""
+        c = self.config
+        grad_fn = self.pipeline.value_and_grad if self.pipeline else plain_grads(self.loss_fn)
+        if c.optim.grad_accum > 1:
+            grad_fn = accumulated_grads(grad_fn, c.optim.grad_accum)
+        zero2 = c.optim.zero_stage >= 2
+        if self.mesh.shape["data"] > 1 and (zero2 or c.optim.grad_accum > 1):
+            scatter_like = (variable_shardings(abstract.params, optimizer_rules(c), self.mesh)
+                            if zero2 else None)
+            grad_fn = reduce_once(grad_fn, self.mesh,
+                                  variable_shardings(abstract.params, self.param_rules,
+                                                     self.mesh), scatter_like)
+        return grad_fn
 
     def _shardings(self, abstract: TrainState) -> TrainState:
         """Parameters by the parameter rules, optimizer state by the (ZeRO) optimizer rules."""

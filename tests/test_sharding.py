@@ -53,6 +53,7 @@ LAYOUTS = {
     "sequence2_tensor2_sp": {"mesh.data": 2, "mesh.sequence": 2, "mesh.tensor": 2,
                              "mesh.sequence_parallel": True},
     "zero1": {"mesh.data": 8, "optim.zero_stage": 1},
+    "data4_accum": {"mesh.data": 4, "mesh.tensor": 2, "optim.grad_accum": 2},
     "zero2_accum": {"mesh.data": 4, "mesh.tensor": 2, "optim.zero_stage": 2,
                     "optim.grad_accum": 2},
 }

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from jaxtron.models.activations import swiglu
-from jaxtron.sharding.rules import active_mesh
+from jaxtron.sharding.rules import active_mesh, shard_map_mesh
 
 AXIS = "expert"
 
@@ -42,5 +42,5 @@ def expert_ffn(x_BxExCxD, w_gate, w_up, w_down):
         return jax.lax.all_to_all(y, AXIS, split_axis=0, concat_axis=1, tiled=True)
 
     spec = PartitionSpec(AXIS)
-    return jax.shard_map(exchange, mesh=active_mesh(), in_specs=(spec,) * 4, out_specs=spec,
-                         axis_names={AXIS})(x_BxExCxD, w_gate, w_up, w_down)
+    return jax.shard_map(exchange, mesh=shard_map_mesh(active_mesh()), in_specs=(spec,) * 4,
+                         out_specs=spec, axis_names={AXIS})(x_BxExCxD, w_gate, w_up, w_down)

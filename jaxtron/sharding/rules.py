@@ -143,10 +143,35 @@ def activation_sharding(mesh: Mesh, rules: Rules) -> Iterator[None]:
         _ACTIVE.reset(token)
 
 
+@contextlib.contextmanager
+def without_mesh_axis(axis: str) -> Iterator[None]:
+    """Inside a shard_map that makes `axis` manual, constraints must not name it again: the
+    arrays there are already one rank's part along it."""
+    active = _ACTIVE.get()
+    if active is None:
+        yield
+        return
+    mesh, rules = active
+    token = _ACTIVE.set((mesh, {name: tuple(a for a in axes if a != axis)
+                                for name, axes in rules.items()}))
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
 def active_mesh() -> Mesh | None:
     """The mesh of the step being traced, for kernels that shard_map over it."""
     active = _ACTIVE.get()
     return active[0] if active else None
+
+
+def shard_map_mesh(mesh: Mesh):
+    """The mesh to give a shard_map: inside another shard_map (the data-parallel reduction's
+    over `data`, the pipeline's over `stage`) JAX wants the context mesh, whose axes record
+    which of them are manual already."""
+    context = jax.sharding.get_abstract_mesh()
+    return mesh if context.empty else context
 
 
 def active_spec(names: Sequence[str | None], shape=None) -> PartitionSpec | None:
