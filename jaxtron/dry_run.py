@@ -4,7 +4,8 @@
     python -m jaxtron.train --config configs/llama3-8b.yaml --dry-run --target cuda --devices 64
 
 Without `--target`, or with this machine's own platform, the step is compiled and XLA's memory
-analysis gives the per-device bytes. With another platform (`cuda`, `rocm`, `tpu` from a CPU
+analysis gives the per-device bytes, and the communication counter (`sharding/traffic.py`) the
+bytes each device sends per step by collective and mesh axis. With another platform (`cuda`, `rocm`, `tpu` from a CPU
 machine) the step is lowered for it, which needs no such device: that runs every check JAX and
 the kernels make before code generation (Pallas' Triton and Mosaic lowerings, TPU tile shapes,
 shardings, dtypes), and the report names the attention kernel chosen and counts the kernels in
@@ -89,6 +90,7 @@ def _lower(trainer):
 def dry_run(config: config_lib.Config, target: str | None = None) -> dict:
     """Build one step for `target` (default: this machine) and print what it will run."""
     from jaxtron.sharding.report import format_memory, memory_report, parameter_table
+    from jaxtron.sharding.traffic import count_collectives
     from jaxtron.trainer import Trainer
 
     here = local_platform()
@@ -108,6 +110,10 @@ def dry_run(config: config_lib.Config, target: str | None = None) -> dict:
         compiled = trainer.compile_step(state, trainer.abstract_batch())
         report = memory_report(state, compiled)
         print(format_memory(report))
+        traffic = count_collectives(compiled.as_text(), trainer.mesh)
+        print("communication per step (from the compiled step):")
+        print(traffic.table())
+        report["sent_bytes"] = {"+".join(axes): sent for axes, sent in traffic.by_axes().items()}
         print(f"compiled one step in {time.perf_counter() - start:.1f} s")
         return report
     text = _lower(trainer).as_text()

@@ -161,7 +161,7 @@ def test_minus_one_takes_the_rest():
     assert resolve_degrees(config.mesh, 8)["data"] == 2
 
 
-def test_dry_run_prints_mesh_shardings_and_memory():
+def test_dry_run_prints_mesh_shardings_memory_and_communication():
     import subprocess
     import sys
     result = subprocess.run(
@@ -173,3 +173,9 @@ def test_dry_run_prints_mesh_shardings_and_memory():
     assert "mesh: 8 devices (data=2, fsdp=2, tensor=2)" in out
     assert "blocks/attn/wq" in out and "(None, 'fsdp', 'tensor', None)" in out
     assert "per-device memory: parameters" in out and "peak temporaries" in out
+    assert "communication per step" in out
+    for kind_and_axis in ("all-reduce          over data+fsdp ",  # gradients, ZeRO-3 on CPU
+                          "all-gather          over fsdp ",       # weights before use
+                          "all-gather          over data ",       # ZeRO-1: updated weights
+                          "all-reduce          over tensor "):    # Megatron's per-block sums
+        assert kind_and_axis in out, out
