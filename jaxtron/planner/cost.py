@@ -1,22 +1,11 @@
-"""Communication per step by mesh axis, the pipeline bubble, and a roofline step time.
+"""The pipeline bubble, and a roofline step time from compute and communication.
 
-Volumes are bytes each device sends per step, with ring collectives (an all-reduce of S bytes
-over n ranks sends 2 S (n-1)/n; an all-gather or reduce-scatter S (n-1)/n):
-
-    data      gradient all-reduce (ZeRO-1/2: reduce-scatter + all-gather, the same volume)
-    fsdp      parameter all-gather in the forward and again in the backward, gradient
-              reduce-scatter: 3 S (n-1)/n of the parameters the device uses
-    tensor    per block and microbatch, two all-reduces forward and two backward of the block's
-              [tokens, D] activations (with sequence parallelism: all-gathers and
-              reduce-scatters of the same total volume)
-    sequence  ring attention passes k and v round the ring, forward and twice backward
-    expert    all-to-all dispatch and combine of each routed token, forward and backward
-    stage     the stage output forward and its gradient backward, per microbatch
-
-An axis runs on the fast intra-node links when it and the axes inside it fit in one node (axes
-nest as stage, data, fsdp, expert, sequence, tensor from outside in), else on the inter-node
-network. Step time = compute / (1 - bubble) + tensor, sequence, expert and stage time (on the
-critical path) + the part of data and fsdp time that the backward cannot hide.
+Communication per mesh axis comes from `jaxtron/planner/traffic.py` (bytes each device sends
+per step, checked against the compiled step by `python -m jaxtron.planner.validate`). An axis
+runs on the fast intra-node links when it and the axes inside it fit in one node (axes nest as
+stage, data, fsdp, expert, sequence, tensor from outside in), else on the inter-node network.
+Step time = compute / (1 - bubble) + tensor, sequence, expert and stage time (on the critical
+path) + the part of data and fsdp time that the backward cannot hide.
 """
 
 from __future__ import annotations
@@ -24,13 +13,11 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import numpy as np
-
 from jaxtron.config import Config
 from jaxtron.flops import hardware_flops_per_token, training_flops_per_token
 from jaxtron.planner.hardware import Hardware
 from jaxtron.planner.layout import Layout
-from jaxtron.planner.memory import microbatch_sequences, state_bytes
+from jaxtron.planner.traffic import communication
 
 AXES = ("stage", "data", "fsdp", "expert", "sequence", "tensor")
 # `save_dots` also repeats the elementwise work (norms, activations, softmax): a few percent of
@@ -63,30 +50,6 @@ def intra_node(layout: Layout, axis: str, node_size: int) -> bool:
     return inner <= node_size
 
 
-def communication(config: Config, layout: Layout) -> dict:
-    m = config.model
-    e = np.dtype(m.compute_dtype).itemsize
-    degrees = layout.degrees()
-    ring = {a: (n - 1) / n for a, n in degrees.items()}
-    params, _, _ = state_bytes(config, dataclasses.replace(layout, zero_stage=0))
-    steps_per_layer = layout.grad_accum * (layout.microbatches if layout.stage > 1 else 1)
-    tokens = microbatch_sequences(config, layout) * config.data.seq_len // layout.sequence
-    layers = math.ceil(m.num_layers / layout.stage)
-    activation = e * tokens * m.d_model
-    kv = e * tokens * m.kv_heads * m.resolved_head_dim * 2
-    out = {"data": 2 * ring["data"] * params,
-           "fsdp": 3 * ring["fsdp"] * params * degrees["fsdp"] * steps_per_layer,
-           "tensor": 4 * 2 * ring["tensor"] * activation * layers * steps_per_layer,
-           "sequence": 3 * (degrees["sequence"] - 1) * kv * layers * steps_per_layer,
-           "stage": 2 * activation * steps_per_layer if layout.stage > 1 else 0.0,
-           "expert": 0.0}
-    if config.moe.enabled:
-        moe_layers = layers // config.moe.every
-        out["expert"] = (4 * ring["expert"] * activation * config.moe.top_k * moe_layers
-                         * steps_per_layer)
-    return out
-
-
 def estimate(config: Config, layout: Layout, hardware: Hardware, platform: str = "gpu") -> Cost:
     tokens = config.train.batch_size * config.data.seq_len
     c = _with_remat(config, layout)
@@ -97,7 +60,7 @@ def estimate(config: Config, layout: Layout, hardware: Hardware, platform: str =
     if layout.remat == "save_dots":
         compute *= 1 + SAVE_DOTS_OVERHEAD
     bubble = bubble_fraction(layout)
-    volumes = communication(config, layout)
+    volumes = communication(config, layout, platform)
     seconds = {axis: volume / (hardware.intra_bw if intra_node(layout, axis, hardware.node_size)
                                else hardware.inter_bw)
                for axis, volume in volumes.items()}

@@ -1,61 +1,117 @@
-"""Check the memory model against XLA: predicted vs compiled per-device bytes on this machine.
+"""Check the planner against XLA: predicted vs compiled per-device memory and communication.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m jaxtron.planner.validate
 
 For each layout of a small matrix the train step is compiled from abstract shapes (nothing is
-allocated) and XLA's memory analysis gives the per-device arguments (parameters, optimizer
-state, batch) plus peak temporaries (gradients, activations, logits); the planner's prediction
-for the same layout is set beside it with the relative error.
+allocated). XLA's memory analysis gives the per-device arguments (parameters, optimizer state,
+batch) plus peak temporaries (gradients, activations, logits); the communication counter
+(`jaxtron/sharding/traffic.py`) gives the bytes each device sends per step, booked like the
+planner's prediction (`jaxtron/planner/traffic.py`) to the outermost mesh axis a collective
+spans. data and fsdp are compared together: XLA merges their gradient reductions differently
+by ZeRO stage (one all-reduce over data x fsdp, or one per axis), with the same bytes in total.
+The prediction is the CPU one: XLA:CPU has no reduce-scatter rewrite.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 from jaxtron import config as config_lib
 from jaxtron.planner.layout import Layout, apply
 from jaxtron.planner.memory import predict
+from jaxtron.planner.traffic import AXES, communication
 
 BASE = ["model.num_layers=4", "model.d_model=128", "model.num_heads=4", "model.num_kv_heads=2",
         "model.mlp_dim=512", "model.vocab_size=256", "data.seq_len=128", "train.batch_size=16"]
+MOE = ["moe.num_experts=4", "moe.top_k=2"]
 MATRIX = (Layout(data=8), Layout(fsdp=8), Layout(data=2, tensor=4),
           Layout(data=2, tensor=4, sequence_parallel=True), Layout(data=4, tensor=2, zero_stage=1),
           Layout(data=8, remat="full"), Layout(data=8, remat="save_dots"),
           Layout(data=4, stage=2, microbatches=4), Layout(data=2, fsdp=2, tensor=2),
           Layout(data=8, grad_accum=2))
+# Layouts whose communication the planner predicts within 10% on this backend.
+TRAFFIC_MATRIX = (Layout(data=8), Layout(fsdp=8), Layout(data=2, tensor=4),
+                  Layout(data=4, tensor=2, zero_stage=1), Layout(data=8, remat="full"),
+                  Layout(data=2, fsdp=2, tensor=2), Layout(data=8, grad_accum=2),
+                  Layout(data=8, zero_stage=2), Layout(data=4, fsdp=2, zero_stage=2, grad_accum=2),
+                  Layout(fsdp=8, remat="full"), Layout(data=2, fsdp=4, zero_stage=1),
+                  Layout(data=4, tensor=2, remat="full"),
+                  Layout(data=2, fsdp=2, tensor=2, grad_accum=2),
+                  Layout(data=4, tensor=2, zero_stage=2, grad_accum=2),
+                  Layout(data=2, fsdp=2, tensor=2, remat="save_dots"))
+BUCKETS = {"data+fsdp": ("data", "fsdp"), "tensor": ("tensor",), "sequence": ("sequence",),
+           "expert": ("expert",), "stage": ("stage",)}
 
 
-def compiled_bytes(config: config_lib.Config) -> int:
-    """Per-device arguments + peak temporaries of the compiled step (outputs alias the
-    donated arguments)."""
+@dataclasses.dataclass(frozen=True)
+class Row:
+    layout: Layout
+    predicted_bytes: int
+    compiled_bytes: int
+    predicted_sent: dict   # bucket -> bytes sent per device per step
+    measured_sent: dict
+
+    def traffic_errors(self, floor: float = 2**16) -> dict:
+        """bucket -> relative error, for buckets where either side sends more than `floor`."""
+        return {b: (self.predicted_sent[b] - self.measured_sent[b]) / self.measured_sent[b]
+                if self.measured_sent[b] else float("inf")
+                for b in BUCKETS if max(self.predicted_sent[b], self.measured_sent[b]) > floor}
+
+
+def compiled(config: config_lib.Config):
+    """(per-device arguments + peak temporaries, Traffic) of the compiled step."""
+    from jaxtron.sharding.traffic import count_collectives
     from jaxtron.trainer import Trainer
 
     trainer = Trainer(config)
-    compiled = trainer.compile_step(trainer.abstract_state(), trainer.abstract_batch())
-    stats = compiled.memory_analysis()
-    return int(stats.argument_size_in_bytes + stats.temp_size_in_bytes)
+    step = trainer.compile_step(trainer.abstract_state(), trainer.abstract_batch())
+    stats = step.memory_analysis()
+    return (int(stats.argument_size_in_bytes + stats.temp_size_in_bytes),
+            count_collectives(step.as_text(), trainer.mesh))
 
 
-def run(layouts=MATRIX, base=BASE) -> list[tuple[Layout, int, int]]:
-    """[(layout, predicted bytes, compiled bytes)]."""
-    config = config_lib.load("configs/tiny.yaml", list(base))
+def compiled_bytes(config: config_lib.Config) -> int:
+    return compiled(config)[0]
+
+
+def _bucketed(per_axis: dict) -> dict:
+    return {b: sum(per_axis.get(a, 0.0) for a in axes) for b, axes in BUCKETS.items()}
+
+
+def run(layouts=MATRIX, base=BASE) -> list[Row]:
     rows = []
     for layout in layouts:
+        config = config_lib.load("configs/tiny.yaml", list(base))
         planned = apply(config, layout)
-        rows.append((layout, predict(planned, layout).total,
-                     compiled_bytes(planned)))
+        measured, traffic = compiled(planned)
+        booked = dict.fromkeys(AXES, 0.0)
+        for axes, sent in traffic.by_axes().items():
+            if axes:
+                booked[axes[0]] += sent  # the outermost axis it spans
+        rows.append(Row(layout, predict(planned, layout).total, measured,
+                        _bucketed(communication(planned, layout, "cpu")), _bucketed(booked)))
     return rows
 
 
 def main() -> int:
-    rows = run()
+    mib = 2**20
     errors = []
-    for layout, predicted, measured in rows:
-        error = (predicted - measured) / measured
+    print("memory: per-device arguments + peak temporaries")
+    for row in run(MATRIX):
+        error = (row.predicted_bytes - row.compiled_bytes) / row.compiled_bytes
         errors.append(abs(error))
-        print(f"{layout.describe():<40} predicted {predicted / 2**20:7.2f} MiB  XLA "
-              f"{measured / 2**20:7.2f} MiB  error {error:+.1%}", flush=True)
+        print(f"{row.layout.describe():<44} predicted {row.predicted_bytes / mib:7.2f} MiB  XLA "
+              f"{row.compiled_bytes / mib:7.2f} MiB  error {error:+.1%}", flush=True)
     print(f"mean |error| {sum(errors) / len(errors):.1%}, max {max(errors):.1%}")
+    worst = 0.0
+    print("communication: MiB sent per device per step, predicted / counted (error)")
+    for row in run(TRAFFIC_MATRIX):
+        cells = [f"{b} {row.predicted_sent[b] / mib:.2f} / {row.measured_sent[b] / mib:.2f} "
+                 f"({e:+.1%})" for b, e in row.traffic_errors().items()]
+        worst = max([worst, *map(abs, row.traffic_errors().values())])
+        print(f"{row.layout.describe():<44} {'  '.join(cells)}", flush=True)
+    print(f"communication: worst |error| {worst:.1%}")
     return 0
 
 

@@ -1,0 +1,137 @@
+"""Bytes each device sends per step, by mesh axis, predicted without compiling: the planner's
+side of `jaxtron/sharding/traffic.py`, which counts the same bytes in a compiled step.
+
+Ring collectives over n ranks on S bytes send 2 S (n-1)/n (all-reduce) or S (n-1)/n
+(all-gather, reduce-scatter, all-to-all). A collective that spans several axes is booked to the
+outermost of them (mesh order: stage, data, fsdp, expert, sequence, tensor), the slowest link it
+crosses. G is the bytes of this device's gradients (parameters split by fsdp, tensor, expert and
+stage), P = f G those of the fsdp-gathered parameters, A = e x tokens x D one microbatch's
+residual stream on this device, and each microbatch pass is one of grad_accum (x pipeline
+microbatches) per step.
+
+    data      gradients once per step: all-reduce 2 G (n-1)/n; ZeRO-1 adds the all-gather of the
+              updated parameters, G (n-1)/n; ZeRO-2 reduce-scatters and all-gathers instead,
+              2 G (n-1)/n (`sharding/data_parallel.py`)
+    fsdp      per pass, the weights gathered for the forward and again for the backward,
+              2 P (f-1)/f, and the gradients reduce-scattered, P (f-1)/f. XLA:CPU has no
+              reduce-scatter rewrite: there the gradient reduction is an all-reduce, and
+              without a manual data axis it is one all-reduce over data x fsdp (booked to data)
+    tensor    per pass and block: Megatron's two all-reduces of A forward; backward one per
+              column-parallel input matmul, as XLA emits them: q, k, v and both SwiGLU inputs
+              (gate, up) are summed separately, 5 for Llama (4 for GPT-2), +1 with
+              `remat: full` (the forward again, but for the block output, which is kept); the vocabulary-parallel embedding (forward)
+              and head (backward) add one each per pass. With kv heads replicated over tensor
+              (fewer kv heads than ranks) k and v are not partial sums; their gradients are
+              all-reduced over the r = t / G ranks that share a kv head instead, and the kv
+              heads all-gathered for the backward.
+    expert    per pass and MoE layer: the dispatched slots [B, E, C, D] cross the axis forward
+              and back (all-to-all, twice) and their gradients in the backward (twice)
+    sequence  ring attention passes k and v round the ring, forward and twice backward
+    stage     the stage output forward and its gradient backward, per microbatch
+
+`python -m jaxtron.planner.validate` sets these beside the counted bytes; data, fsdp and tensor
+are within 10% on its matrix, sequence, stage and expert are not yet modelled to that standard.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from jaxtron.config import Config
+from jaxtron.planner.layout import Layout
+from jaxtron.planner.memory import microbatch_sequences, state_bytes
+
+AXES = ("stage", "data", "fsdp", "expert", "sequence", "tensor")
+
+
+def ring(n: int) -> float:
+    return (n - 1) / n
+
+
+def communication(config: Config, layout: Layout, platform: str = "gpu") -> dict[str, float]:
+    """axis -> bytes one device sends per step (see the module docstring)."""
+    out = dict.fromkeys(AXES, 0.0)
+    grads, _, _ = state_bytes(config, dataclasses.replace(layout, zero_stage=0))
+    passes = layout.grad_accum * (layout.microbatches if layout.stage > 1 else 1)
+    _data_and_fsdp(out, layout, grads, passes, reduce_scatter=platform != "cpu")
+    out["tensor"] = _tensor(config, layout) * passes
+    out["expert"] = _expert(config, layout) * passes
+    out["sequence"], out["stage"] = (x * passes for x in _sequence_and_stage(config, layout))
+    return out
+
+
+def _sequence_and_stage(config: Config, layout: Layout) -> tuple[float, float]:
+    """Per pass: ring attention passes k and v round the ring forward and twice backward; a
+    pipeline stage sends its output forward and the gradient back. (Not yet checked against
+    the counter: see docs/parallelism.md.)"""
+    m = config.model
+    e = np.dtype(m.compute_dtype).itemsize
+    tokens = microbatch_sequences(config, layout) * config.data.seq_len // layout.sequence
+    layers = math.ceil(m.num_layers / layout.stage)
+    kv = e * tokens * m.kv_heads * m.resolved_head_dim * 2
+    sequence = 3 * (layout.sequence - 1) * kv * layers
+    stage = 2 * e * tokens * m.d_model if layout.stage > 1 else 0.0
+    return sequence, stage
+
+
+def _data_and_fsdp(out, layout: Layout, grads: float, passes: int, reduce_scatter: bool):
+    n, f = layout.data, layout.fsdp
+    gathered = grads * f
+    manual_data = n > 1 and (layout.grad_accum > 1 or layout.zero_stage >= 2)
+    if f > 1:
+        out["fsdp"] += 2 * ring(f) * gathered * passes  # weights before forward and backward
+        if reduce_scatter:
+            out["fsdp"] += ring(f) * gathered * passes
+        elif n > 1 and not manual_data:  # one all-reduce over data x fsdp
+            out["data"] += 2 * ring(n * f) * gathered * passes
+            if layout.zero_stage == 1:
+                out["data"] += ring(n) * grads
+            return
+        else:
+            out["fsdp"] += 2 * ring(f) * gathered * passes
+    if n > 1:
+        out["data"] += 2 * ring(n) * grads
+        if layout.zero_stage == 1:
+            out["data"] += ring(n) * grads
+
+
+def _tensor(config: Config, layout: Layout) -> float:
+    """Bytes per microbatch pass over the tensor axis."""
+    t = layout.tensor
+    if t == 1:
+        return 0.0
+    m = config.model
+    e = np.dtype(m.compute_dtype).itemsize
+    tokens = microbatch_sequences(config, layout) * config.data.seq_len // layout.sequence
+    activation = e * tokens * m.d_model
+    layers = math.ceil(m.num_layers / layout.stage)
+    replicated_kv = m.kv_heads % t != 0
+    forward = 2 + (1 if layout.remat == "full" else 0)  # the block output is not recomputed
+    inputs = 1 if replicated_kv else 3  # q (k, v) read the replicated block input
+    backward = inputs + (2 if m.type == "llama" else 1)
+    sent = (layers * (forward + backward) + 2) * 2 * ring(t) * activation
+    if replicated_kv:
+        r = t // math.gcd(t, m.kv_heads)  # ranks that share one kv head
+        kv = e * tokens * m.resolved_head_dim
+        local_kv_heads = max(1, m.kv_heads * r // t)
+        sent += layers * (2 * 2 * ring(r) * kv * local_kv_heads  # dk, dv summed
+                          + 2 * ring(r) * kv * m.kv_heads)       # k, v gathered
+    return sent
+
+
+def _expert(config: Config, layout: Layout) -> float:
+    x, moe = layout.expert, config.moe
+    if x == 1 or not moe.enabled:
+        return 0.0
+    m = config.model
+    e = np.dtype(m.compute_dtype).itemsize
+    sequences = microbatch_sequences(config, layout)
+    length = config.data.seq_len // layout.sequence
+    slots = (length if moe.mode == "dropless" else
+             math.ceil(moe.capacity_factor * length * moe.top_k / moe.num_experts))
+    buffer = e * sequences * moe.num_experts * slots * m.d_model
+    moe_layers = math.ceil(m.num_layers / layout.stage) // moe.every
+    return 4 * ring(x) * buffer * moe_layers
