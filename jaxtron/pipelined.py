@@ -1,93 +1,167 @@
 """The Transformer as the three functions a pipeline runs: embed, a chunk of blocks, head + loss.
 
-With `mesh.stage > 1` the stacked block parameters are kept in the pipeline layout
-`[p, v, Lmax, ...]` (logical axes `stage, layers, layers, ...`), so each rank stores only its own
-layers and their optimizer state; `to_model_params` restores the model's `[N, ...]` layout for
-evaluation, export and generation. The pipeline package itself knows nothing of the model.
+With `mesh.stage > 1` every parameter is kept in a pipeline layout that stores 1/p of the model
+(and of its optimizer state) on each rank:
+
+    blocks      [N, ...] -> [p, v, Lmax, ...]   (stage, layers, layers, ...): each rank's layers
+    embedder,   [n, ...] -> [p, ceil(n/p), ...] (stage, ...): split evenly by the first dimension
+    head
+
+The engine sends the embedder's slices to rank 0 and the head's to rank p - 1 before the loop,
+the only ranks that embed or compute the loss (with `model.tied_embeddings` the table goes to
+both), and returns each gradient slice to its owner after it: no parameter is replicated over
+`stage` and no gradient is all-reduced over it. The loss is `Head.loss`, so
+`model.cross_entropy=chunked` never forms the logits here either. Evaluation runs a forward-only
+schedule through the same stages (`eval_loss`). `to_model_params` restores the model's own
+layout for checkpoints, export and generation. The pipeline package itself knows nothing of the
+model.
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 from flax import nnx
 
 from jaxtron.config import Config
-from jaxtron.models import Transformer, cross_entropy_loss
+from jaxtron.models import Transformer
 from jaxtron.models.transformer import run_blocks
-from jaxtron.pipeline.engine import pipeline_value_and_grad
-from jaxtron.pipeline.layout import split_layers
-from jaxtron.pipeline.schedule import build_table
+from jaxtron.pipeline.engine import pipeline_loss, pipeline_value_and_grad
+from jaxtron.pipeline.layout import join_stages, split_layers, split_over_stages
+from jaxtron.pipeline.schedule import build_table, forward_table
+from jaxtron.sharding.rules import optimizer_rules, param_rules
+
+ENDS = ("embedder", "head")
+
+
+def _is_variable(x) -> bool:
+    return isinstance(x, nnx.Variable)
 
 
 class PipelinedTransformer:
     def __init__(self, config: Config, mesh):
         c = config
         self.config, self.mesh = c, mesh
-        self.layout = split_layers(c.model.num_layers, c.mesh.stage, c.pipeline.virtual_stages,
-                                   c.pipeline.layers_per_stage)
-        self.table = build_table(c.pipeline.schedule, c.mesh.stage, c.pipeline.microbatches,
-                                 c.pipeline.virtual_stages)
+        p, v, m = c.mesh.stage, c.pipeline.virtual_stages, c.pipeline.microbatches
+        self.layout = split_layers(c.model.num_layers, p, v, c.pipeline.layers_per_stage)
+        self.table = build_table(c.pipeline.schedule, p, m, v)
+        # Evaluation cuts the batch as finely as a training step does (microbatches of every
+        # accumulation step), so it never holds larger activations than training.
+        self.eval_table = forward_table(p, m * c.optim.grad_accum, v)
         model = nnx.eval_shape(lambda: Transformer(c.model, rngs=nnx.Rngs(0), moe=c.moe))
         self.embedder_def = nnx.graphdef(model.embedder)
         self.blocks_def = nnx.graphdef(model.blocks)
         self.head_def = nnx.graphdef(model.head)
-        self._value_and_grad = pipeline_value_and_grad(
-            self.table, mesh, self._first, self._stage, self._last)
+        # The ends' Variables in the model layout: their shapes and logical axis names.
+        self._model_ends = {name: nnx.state(getattr(model, name), nnx.Param) for name in ENDS}
+        self._rules = (param_rules(c), optimizer_rules(c))
+        stage_fns = (self._first, self._stage, self._last)
+        self._value_and_grad = pipeline_value_and_grad(self.table, mesh, *stage_fns)
+        self._loss = pipeline_loss(self.eval_table, mesh, *stage_fns)
 
     # -- parameter layouts ----------------------------------------------------------------
 
     def to_pipeline_params(self, params: nnx.State) -> nnx.State:
-        def convert(var):
+        def blocks(var):
             # [p, v, Lmax]: the rank, then two axes of the layer stack.
             names = ("stage", "layers") + tuple(var.get_metadata()["out_sharding"])
             return var.replace(self.layout.to_pipeline(var.get_value()), out_sharding=names)
-        return self._map_blocks(params, convert)
+
+        def ends(var, model_var):
+            names = tuple(model_var.get_metadata()["out_sharding"])
+            value = split_over_stages(var.get_value(), self.config.mesh.stage,
+                                      self._ways(names[0]))
+            return var.replace(value, out_sharding=("stage",) + names)
+
+        return self._convert(params, blocks, ends)
 
     def to_model_params(self, params: nnx.State) -> nnx.State:
-        def convert(var):
+        def blocks(var):
             names = tuple(var.get_metadata()["out_sharding"])[2:]
             return var.replace(self.layout.from_pipeline(var.get_value()), out_sharding=names)
-        return self._map_blocks(params, convert)
 
-    @staticmethod
-    def _map_blocks(params, fn):
-        blocks = jax.tree.map(fn, params["blocks"], is_leaf=lambda x: isinstance(x, nnx.Variable))
-        return nnx.State({**dict(params.items()), "blocks": blocks})
+        def ends(var, model_var):
+            return model_var.replace(join_stages(var.get_value(), model_var.shape[0]))
+
+        return self._convert(params, blocks, ends)
+
+    def _ways(self, name) -> int:
+        """Parts the rules split a dimension named `name` into, for parameters or their
+        optimizer state: each rank's part of a split end must divide by it."""
+        if name is None:
+            return 1
+        axes = {a for rules in self._rules for a in rules[name]}
+        return math.prod(self.mesh.shape.get(a, 1) for a in axes)
+
+    def _convert(self, params, blocks_fn, ends_fn) -> nnx.State:
+        converted = dict(params.items())
+        converted["blocks"] = jax.tree.map(blocks_fn, params["blocks"], is_leaf=_is_variable)
+        for name in ENDS:
+            converted[name] = self._map_with_model(params[name], name, ends_fn)
+        return nnx.State(converted)
+
+    def _map_with_model(self, tree, name, fn):
+        """fn(variable, the model-layout variable at the same path) over an end's tree."""
+        model_vars = {jax.tree_util.keystr(path): var for path, var in
+                      jax.tree_util.tree_flatten_with_path(self._model_ends[name],
+                                                           is_leaf=_is_variable)[0]}
+        return jax.tree_util.tree_map_with_path(
+            lambda path, var: fn(var, model_vars[jax.tree_util.keystr(path)]), tree,
+            is_leaf=_is_variable)
+
+    def _split_ends(self, params):
+        """(first, last, shared): what only rank 0, only rank p - 1, and both of them use."""
+        embedder, shared = dict(params["embedder"].items()), {}
+        if self.config.model.tied_embeddings:
+            shared["embed"] = embedder.pop("embed")
+        return nnx.State(embedder), params["head"], nnx.State(shared)
+
+    def _whole(self, tree, name):
+        """An end gathered by the engine, [p * K, ...] -> the model layout [n, ...]."""
+        return self._map_with_model(
+            tree, name, lambda var, model_var: model_var.replace(
+                var.get_value()[:model_var.shape[0]]))
 
     # -- the three stage functions -----------------------------------------------------------
 
-    def _first(self, embedder_params, tokens_BxL):
-        return nnx.merge(self.embedder_def, embedder_params)(tokens_BxL)
+    def _first(self, first, shared, tokens_BxL):
+        embedder = self._whole(nnx.State({**dict(first.items()), **dict(shared.items())}),
+                               "embedder")
+        return nnx.merge(self.embedder_def, embedder)(tokens_BxL)
 
     def _stage(self, chunk_params, active_L, x_BxLxD):
         x_BxLxD, _ = run_blocks(self.config.model, self.blocks_def, chunk_params, x_BxLxD,
                                 active_L)
         return x_BxLxD
 
-    def _last(self, last_params, x_BxLxD, targets_BxL):
-        table = last_params["table"][...] if self.config.model.tied_embeddings else None
-        logits = nnx.merge(self.head_def, last_params["head"])(x_BxLxD, table)
-        return cross_entropy_loss(logits, targets_BxL)
+    def _last(self, last, shared, x_BxLxD, targets_BxL):
+        head = nnx.merge(self.head_def, self._whole(last, "head"))
+        table_VxD = None
+        if self.config.model.tied_embeddings:
+            table_VxD = self._whole(shared, "embedder")["embed"][...]
+        return head.loss(x_BxLxD, targets_BxL, table_VxD)
 
-    # -- gradients ---------------------------------------------------------------------------
+    # -- loss and gradients ------------------------------------------------------------------
 
-    def value_and_grad(self, params: nnx.State, tokens):
-        """Mean loss and gradients (pipeline layout) of the batch `tokens_Bx(L+1)`."""
-        m = self.config.pipeline.microbatches
+    def _arguments(self, params, tokens, m: int):
         batch, width = tokens.shape
         # Microbatch i takes rows i, i + m, ...: each data-parallel shard stays on its devices.
         tokens_MxBxT = tokens.reshape(batch // m, m, width).swapaxes(0, 1)
-        tied = self.config.model.tied_embeddings
-        last = {"head": params["head"]}
-        if tied:
-            last["table"] = params["embedder"]["embed"]
         active = jax.numpy.asarray(self.layout.active)
-        loss, (g_first, g_blocks, g_last) = self._value_and_grad(
-            params["embedder"], params["blocks"], last, active, tokens_MxBxT[..., :-1],
-            tokens_MxBxT[..., 1:])
-        if tied:  # the table is used twice: embedding on the first stage, head on the last
-            g_first = nnx.State({**dict(g_first.items()),
-                                 "embed": jax.tree.map(jax.numpy.add, g_first["embed"],
-                                                       g_last["table"])})
-        return (loss, {"loss": loss}), nnx.State({"embedder": g_first, "blocks": g_blocks,
-                                                 "head": g_last["head"]})
+        return (*self._split_ends(params), params["blocks"], active, tokens_MxBxT[..., :-1],
+                tokens_MxBxT[..., 1:])
+
+    def value_and_grad(self, params: nnx.State, tokens):
+        """Mean loss and gradients (pipeline layout) of the batch `tokens_Bx(L+1)`."""
+        loss, (g_first, g_last, g_shared, g_blocks) = self._value_and_grad(
+            *self._arguments(params, tokens, self.table.microbatches))
+        g_embedder = {**dict(g_first.items()), **dict(g_shared.items())}
+        g_embedder = nnx.State({key: g_embedder[key] for key in params["embedder"]})
+        return (loss, {"loss": loss}), nnx.State({"embedder": g_embedder, "blocks": g_blocks,
+                                                 "head": g_last})
+
+    def eval_loss(self, params: nnx.State, batch: dict):
+        """Mean loss of `batch["tokens"]` through a forward-only pipeline schedule."""
+        tokens = batch["tokens"]
+        return self._loss(*self._arguments(params, tokens, self.eval_table.microbatches))

@@ -67,8 +67,10 @@ class Trainer:
         self._grads = jax.jit(grad_fn, in_shardings=(self.state_shardings.params,
                                                      self.batch_sharding),
                               compiler_options=options)
-        self._eval = jax.jit(make_eval_step(self.loss_fn, self.to_model_params),
-                             in_shardings=(self.state_shardings.params, self.batch_sharding),
+        # A pipeline evaluates through its stages (a forward-only schedule), layers in place.
+        eval_fn = self.pipeline.eval_loss if self.pipeline else make_eval_step(self.loss_fn)
+        self._eval = jax.jit(eval_fn, in_shardings=(self.state_shardings.params,
+                                                    self.batch_sharding),
                              out_shardings=replicated, compiler_options=options)
         if options:
             keep_until_exit(self._step, self._grads, self._eval)

@@ -1,4 +1,5 @@
-"""Pipeline parallelism: schedules as data, equality with the sequential model, flat memory."""
+"""Pipeline parallelism: schedules as data, equality with the sequential model (training and
+evaluation), flat memory, and each stage's share of the parameters and of the traffic."""
 
 import subprocess
 import sys
@@ -8,9 +9,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxtron import config as config_lib
 from jaxtron.data.pipeline import open_dataset, train_batches
-from jaxtron.pipeline.layout import split_layers
-from jaxtron.pipeline.schedule import BACKWARD, FORWARD, IDLE, build_table
+from jaxtron.pipeline.layout import join_stages, split_layers, split_over_stages
+from jaxtron.pipeline.schedule import BACKWARD, FORWARD, IDLE, build_table, forward_table
+from jaxtron.sharding.traffic import count_collectives
 from jaxtron.trainer import Trainer
 
 from conftest import long_run_env, make_config, metric_records
@@ -52,6 +55,19 @@ def test_every_action_runs_once_after_its_inputs(schedule, v):
                 assert when[(BACKWARD, mb, vs + 1)] < t
 
 
+@pytest.mark.parametrize("p, v, m", [(2, 1, 1), (4, 1, 3), (4, 1, 8), (2, 2, 4), (4, 2, 8)])
+def test_forward_table_runs_each_forward_once_after_its_input(p, v, m):
+    table = forward_table(p, m, v)
+    assert not (table.kind == BACKWARD).any()
+    when = {}
+    for t, d in zip(*np.nonzero(table.kind == FORWARD)):
+        when[(int(table.microbatch[t, d]), int(table.chunk[t, d]) * p + int(d))] = int(t)
+    assert len(when) == m * p * v
+    assert all(when[(mb, vs - 1)] < t for (mb, vs), t in when.items() if vs > 0)
+    assert table.bubble == pytest.approx((p - 1) / (v * m + p - 1))
+    assert table.act_slots == 1  # an activation is read by the next forward and dropped
+
+
 def test_1f1b_holds_at_most_p_activations_while_gpipe_holds_m():
     for m in (4, 8, 16, 32):
         assert build_table("1f1b", 4, m).act_slots <= 4
@@ -68,6 +84,15 @@ def test_uneven_and_user_layer_splits():
     np.testing.assert_array_equal(given.from_pipeline(given.to_pipeline(stacked)), stacked)
 
 
+def test_ends_split_evenly_over_stages_with_zero_padding():
+    table = np.arange(10 * 3).reshape(10, 3) + 1
+    split = split_over_stages(table, 4, multiple=2)
+    assert split.shape == (4, 4, 3)  # 10 rows -> 4 ranks x 4 (a multiple of 2), 6 zero rows
+    np.testing.assert_array_equal(split[0, :4], table[:4])
+    assert not np.asarray(split)[2, 2:].any() and not np.asarray(split)[3].any()
+    np.testing.assert_array_equal(join_stages(split, 10), table)
+
+
 def run(layout, model=None, steps=1):
     config = make_config(layout, model={"num_layers": 4, **(model or {})},
                          train={"batch_size": 8}, optim={"warmup_steps": 1, "lr": 1e-2})
@@ -79,6 +104,7 @@ def run(layout, model=None, steps=1):
     state = trainer.init_state()
     batch = trainer.put_batch(next(batches))
     loss, grads = trainer.loss_and_grads(state.params, batch)
+    eval_loss = float(trainer.eval_loss(state, batch))
     losses = []
     for _ in range(steps):
         state, metrics = trainer.step(state, batch)
@@ -86,7 +112,7 @@ def run(layout, model=None, steps=1):
         batch = trainer.put_batch(next(batches))
     as_model = trainer.to_model_params
     return (float(loss), jax.device_get(nnx.to_pure_dict(as_model(grads))), losses,
-            jax.device_get(nnx.to_pure_dict(as_model(state.params))))
+            jax.device_get(nnx.to_pure_dict(as_model(state.params))), eval_loss)
 
 
 CASES = {
@@ -113,6 +139,8 @@ def sequential():
 
 def assert_same(got, want):
     np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+    np.testing.assert_allclose(got[4], want[4], rtol=1e-6)  # evaluation
+    np.testing.assert_allclose(got[4], got[0], rtol=1e-6)  # of the same batch and parameters
     for a, b in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1]), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(got[2], want[2][:len(got[2])], rtol=1e-5)
@@ -138,6 +166,78 @@ def test_uneven_gpt2_over_four_stages_trains_like_the_sequential_model(sequentia
     layout = {"mesh.data": 2, "mesh.stage": 4, "pipeline.microbatches": 4}
     assert_same(run(layout, {"type": "gpt2", "num_kv_heads": None, "num_layers": 5}, steps=2),
                 sequential["gpt2_5"])
+
+
+def test_ends_split_unevenly_with_tied_embeddings_and_zero1_train_like_the_sequential_model():
+    """vocab 258 over 4 stages pads the table's slices; GPT-2 ties it to the head, so rank 0
+    and rank 3 both use it; ZeRO-1 splits its Adam moments over data as well."""
+    model = {"type": "gpt2", "num_kv_heads": None, "vocab_size": 258}
+    layout = {"mesh.data": 2, "mesh.stage": 4, "pipeline.microbatches": 2,
+              "optim.zero_stage": 1}
+    assert_same(run(layout, model, steps=2), run({"mesh.data": 1}, model, steps=2))
+
+
+# -- what each stage stores and sends (tiny.yaml with a vocabulary large enough to matter) ----
+
+BIG_VOCAB = ["model.vocab_size=4096", "model.num_layers=8", "mesh.stage=4", "mesh.data=2",
+             "pipeline.microbatches=4"]
+
+
+def tiny_trainer(*overrides):
+    return Trainer(config_lib.load("configs/tiny.yaml", [*BIG_VOCAB, *overrides]))
+
+
+def per_device_bytes(tree):
+    return sum(np.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
+               for a in jax.tree.leaves(tree))
+
+
+def total_bytes(tree):
+    return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(tree))
+
+
+@pytest.fixture(scope="module")
+def big_vocab():
+    trainer = tiny_trainer()
+    state = trainer.abstract_state()
+    step = trainer.compile_step(state, trainer.abstract_batch())
+    with trainer._tracing():
+        evaluate = trainer._eval.lower(state.params, trainer.abstract_batch()).compile()
+    return trainer, step, evaluate
+
+
+def test_each_stage_stores_a_quarter_and_reduces_its_gradients_once(big_vocab):
+    trainer, step, _ = big_vocab
+    state = trainer.abstract_state()
+    params = per_device_bytes(state.params)
+    assert params <= 1.15 * total_bytes(state.params) / 4  # was 2.2x: ends on every stage
+    # Adam's moments follow their parameters.
+    assert per_device_bytes(state.opt_state) <= 1.15 * total_bytes(state.opt_state) / 4
+    traffic = count_collectives(step.as_text(), trainer.mesh)
+    # One data-parallel reduction of this stage's gradients (and a few scalars); was 9.6x: a
+    # reduction per backward tick and a psum of the ends' gradients over `stage`.
+    assert traffic.full_bytes("all-reduce") <= 1.5 * params, traffic.table()
+
+
+def test_evaluation_runs_through_the_pipeline_without_gathering_layers(big_vocab):
+    trainer, step, evaluate = big_vocab
+    traffic = count_collectives(evaluate.as_text(), trainer.mesh)
+    # No fsdp or tensor axis here: nothing needs gathering (the whole model was, before).
+    assert traffic.count("all-gather") == 0, traffic.table()
+    assert (evaluate.memory_analysis().temp_size_in_bytes
+            <= step.memory_analysis().temp_size_in_bytes)
+
+
+def test_chunked_cross_entropy_is_honoured_under_a_pipeline(big_vocab):
+    trainer, step, _ = big_vocab
+    chunked = tiny_trainer("model.cross_entropy=chunked", "model.loss_chunk_tokens=64")
+    chunked_step = chunked.compile_step(chunked.abstract_state(), chunked.abstract_batch())
+    c = trainer.config
+    rows = c.train.batch_size // (c.pipeline.microbatches * c.mesh.data)
+    logits = rows * c.data.seq_len * c.model.vocab_size * 4  # one microbatch, fp32, per device
+    # The plain loss holds the logits and their gradient; the chunked one never does.
+    assert (chunked_step.memory_analysis().temp_size_in_bytes + 2 * logits
+            <= step.memory_analysis().temp_size_in_bytes)
 
 
 def temp_bytes(schedule, m):

@@ -7,14 +7,32 @@ input gradient to rank d - 1 (idle ranks send zeros; the ring wrap-around carrie
 chunks from the last rank back to the first). A forward stores nothing but the received input
 activation, in a slot the table assigned; the backward recomputes the stage from that input
 under `jax.vjp` and adds the weight gradients to accumulators in the loop carry. The first
-virtual stage embeds the microbatch's tokens and the last computes its loss, so embedding and
-head gradients come out of the same loop.
+virtual stage (always on rank 0) embeds the microbatch's tokens and the last (always on rank
+p - 1) computes its loss, so embedding and head gradients come out of the same loop.
 
-Only `stage` is manual: data, fsdp and tensor sharding inside a stage stay automatic.
+The parameters of the two ends arrive split evenly over the ranks, `[p, n/p, ...]` (SPMD
+programs give every rank the same shapes, so a table kept whole on its one user would cost its
+size on every rank). Before the loop each slice is sent only to the rank that uses it:
+`first` to rank 0, `last` to rank p - 1, `shared` (tied embeddings) to both, one
+collective-permute per slice and user. After the loop the transpose of that gather sends each
+gradient slice back to its owner, so the ends never need an all-reduce over `stage`.
+
+Data parallelism: the `data` axis is manual here too, so each replica accumulates its own
+gradients over the whole schedule and they are summed once, after the loop, outside this map
+(GSPMD would otherwise reduce them over `data` at every backward tick). Inside an enclosing
+data-parallel reduction (`sharding/data_parallel.py`: gradient accumulation, ZeRO-2) `data` is
+manual already and that reduction is the one. fsdp and tensor sharding inside a stage stay
+automatic.
+
+`pipeline_loss` runs a forward-only table (`schedule.forward_table`) the same way: evaluation
+through the pipeline, with every layer staying on its rank.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import math
 from typing import Callable
 
 import jax
@@ -22,45 +40,120 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from jaxtron.pipeline.schedule import Table
+from jaxtron.sharding.rules import without_mesh_axis
 
 AXIS = "stage"
+REPLICA_AXES = ("data",)  # mesh axes over which parameters are replicated and the batch split
+
+
+def _gather(tree, users: tuple[int, ...], me, p: int):
+    """This rank's `[1, n/p, ...]` slices -> `[n, ...]` whole on the ranks in `users`.
+
+    Other ranks end up with their own slice and zeros, which nothing reads. Linear, so its
+    transpose (jax.vjp) sends each user's gradient of a slice back to the slice's owner.
+    """
+    def one(slice_1xK):
+        own_K = slice_1xK[0]
+        parts = []
+        for src in range(p):
+            part = jnp.where(me == src, own_K, jnp.zeros_like(own_K))
+            for user in users:
+                if user != src:  # a single pair: only `user` receives
+                    part = part + jax.lax.ppermute(own_K, AXIS, [(src, user)])
+            parts.append(part)
+        return jnp.concatenate(parts)
+
+    return jax.tree.map(one, tree)
+
+
+class _Plan:
+    """What the training and evaluation maps share: the table, the ends' gather, the
+    composite stage function, and the specs."""
+
+    def __init__(self, table: Table, mesh: Mesh, first_fn, stage_fn, last_fn):
+        self.table, self.mesh = table, mesh
+        self.first_fn, self.stage_fn, self.last_fn = first_fn, stage_fn, last_fn
+        self.p, self.m = table.stages, table.microbatches
+        self.last_stage = table.stages * table.virtual - 1
+        self.tabs = {name: jnp.asarray(getattr(table, name)) for name in
+                     ("kind", "microbatch", "chunk", "act_slot", "grad_slot", "recv_act",
+                      "recv_grad")}
+        self.forward_ring = [(d, (d + 1) % self.p) for d in range(self.p)]
+        self.backward_ring = [(d, (d - 1) % self.p) for d in range(self.p)]
+
+    def replicas(self) -> tuple[str, ...]:
+        """Replica axes to make manual: those with more than one rank, unless an enclosing
+        shard_map (a data-parallel gradient reduction) has made them manual already."""
+        context = jax.sharding.get_abstract_mesh()
+        outer = set(context.manual_axes) if not context.empty else set()
+        return tuple(a for a in REPLICA_AXES if self.mesh.shape.get(a, 1) > 1 and a not in outer)
+
+    def shard_map(self, body, replicas, out_specs):
+        context = jax.sharding.get_abstract_mesh()
+        batch = PartitionSpec(None, replicas or None)  # [M, B, T]: rows split over replicas
+        staged = PartitionSpec(AXIS)
+        return jax.shard_map(body, mesh=context if not context.empty else self.mesh,
+                             axis_names={AXIS, *replicas}, check_vma=False,
+                             in_specs=(staged, staged, staged, staged, staged, batch, batch),
+                             out_specs=out_specs)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def manual(replicas):
+        """Activation constraints inside the map name only the automatic axes."""
+        with contextlib.ExitStack() as stack:
+            for axis in (AXIS, *replicas):
+                stack.enter_context(without_mesh_axis(axis))
+            yield
+
+    def ends(self, first_s, last_s, shared_s, me):
+        p = self.p
+        return (_gather(first_s, (0,), me, p), _gather(last_s, (p - 1,), me, p),
+                _gather(shared_s, (0, p - 1), me, p))
+
+    def composite(self, me, inputs, targets, micro, chunk, chunk_active, fp, sp, cp, lp, x_in):
+        """One virtual stage: embed first if it is the first, add the loss if the last."""
+        virtual_stage = chunk * self.p + me
+        x = jax.lax.cond(virtual_stage == 0, lambda: self.first_fn(fp, sp, inputs[micro]),
+                         lambda: x_in)
+        y = self.stage_fn(cp, chunk_active, x)
+        loss = jax.lax.cond(virtual_stage == self.last_stage,
+                            lambda: self.last_fn(lp, sp, y, targets[micro]).astype(jnp.float32),
+                            lambda: jnp.zeros((), jnp.float32))
+        return y, loss
+
+    @staticmethod
+    def chunk(stage_p, active, chunk):
+        """(parameters, active mask) of this rank's model chunk `chunk`."""
+        pick = lambda a: jax.lax.dynamic_index_in_dim(a, chunk, 0, False)  # noqa: E731
+        return jax.tree.map(pick, stage_p), pick(active)
 
 
 def pipeline_value_and_grad(table: Table, mesh: Mesh, first_fn: Callable, stage_fn: Callable,
                             last_fn: Callable):
-    """Build fn(first_p, stage_p, last_p, active, inputs_M, targets_M) -> (loss, grads).
+    """Build fn(first_s, last_s, shared_s, stage_p, active, inputs_M, targets_M) -> (loss,
+    (g_first, g_last, g_shared, g_stage)), gradients in the layouts of their parameters.
 
-    first_fn(first_p, inputs) -> x; stage_fn(chunk_p, chunk_active, x) -> x;
-    last_fn(last_p, x, targets) -> mean loss of the microbatch. stage_p and active carry a
-    leading [p, v, ...] pipeline layout; the loss is the mean over microbatches.
+    first_fn(first, shared, inputs) -> x; stage_fn(chunk_p, chunk_active, x) -> x;
+    last_fn(last, shared, x, targets) -> mean loss of the microbatch. The ends (`first_s`,
+    `last_s`, `shared_s`) are split `[p, n/p, ...]` and reach first_fn / last_fn whole, `[n, ...]`
+    (n rounded up to a multiple of p); stage_p and active carry the pipeline layout
+    `[p, v, Lmax, ...]`. The loss is the mean over microbatches (and replicas).
     """
-    p, v, m = table.stages, table.virtual, table.microbatches
-    last_stage = p * v - 1
-    tabs = {name: jnp.asarray(getattr(table, name)) for name in
-            ("kind", "microbatch", "chunk", "act_slot", "grad_slot", "recv_act", "recv_grad")}
-    forward_ring = [(d, (d + 1) % p) for d in range(p)]
-    backward_ring = [(d, (d - 1) % p) for d in range(p)]
+    plan = _Plan(table, mesh, first_fn, stage_fn, last_fn)
+    p, m = plan.p, plan.m
+    tabs = plan.tabs
 
-    def body(first_p, stage_p, last_p, active, inputs, targets):
+    def body(replicas, first_s, last_s, shared_s, stage_p, active, inputs, targets):
         me = jax.lax.axis_index(AXIS)
         stage_p = jax.tree.map(lambda a: a[0], stage_p)  # [v, Lmax, ...] of this rank
         active = active[0]
-        x_shape = jax.eval_shape(first_fn, first_p, inputs[0])
+        (first_p, last_p, shared_p), send_back = jax.vjp(
+            lambda f, l, s: plan.ends(f, l, s, me), first_s, last_s, shared_s)
+        x_shape = jax.eval_shape(first_fn, first_p, shared_p, inputs[0])
         zeros_x = jnp.zeros(x_shape.shape, x_shape.dtype)
-
-        def composite(fp, chunk_p, lp, x_in, micro, chunk):
-            virtual_stage = chunk * p + me
-            x = jax.lax.cond(virtual_stage == 0, lambda: first_fn(fp, inputs[micro]),
-                             lambda: x_in)
-            y = stage_fn(chunk_p, active[chunk], x)
-            loss = jax.lax.cond(virtual_stage == last_stage,
-                                lambda: last_fn(lp, y, targets[micro]).astype(jnp.float32),
-                                lambda: jnp.zeros((), jnp.float32))
-            return y, loss
-
-        def chunk_params(chunk):
-            return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, chunk, 0, False),
-                                stage_p)
+        # Each replica's loss is the mean of its rows: the global mean divides by replicas too.
+        scale = 1.0 / (m * math.prod(mesh.shape[a] for a in replicas))
 
         def idle(carry, t):
             return carry, zeros_x, zeros_x
@@ -68,24 +161,28 @@ def pipeline_value_and_grad(table: Table, mesh: Mesh, first_fn: Callable, stage_
         def forward(carry, t):
             micro, chunk = tabs["microbatch"][t, me], tabs["chunk"][t, me]
             x_in = carry["acts"][tabs["act_slot"][t, me]]
-            y, loss = composite(first_p, chunk_params(chunk), last_p, x_in, micro, chunk)
-            carry = dict(carry, loss=carry["loss"] + loss / m)
-            is_last = chunk * p + me == last_stage
+            chunk_p, chunk_active = plan.chunk(stage_p, active, chunk)
+            y, loss = plan.composite(me, inputs, targets, micro, chunk, chunk_active, first_p,
+                                     shared_p, chunk_p, last_p, x_in)
+            carry = dict(carry, loss=carry["loss"] + loss * scale)
+            is_last = chunk * p + me == plan.last_stage
             return carry, jnp.where(is_last, zeros_x, y), zeros_x
 
         def backward(carry, t):
             micro, chunk = tabs["microbatch"][t, me], tabs["chunk"][t, me]
             x_in = carry["acts"][tabs["act_slot"][t, me]]
-            is_last = chunk * p + me == last_stage
+            is_last = chunk * p + me == plan.last_stage
             dy = jnp.where(is_last, zeros_x, carry["grads_in"][tabs["grad_slot"][t, me]])
-            dloss = jnp.where(is_last, 1.0 / m, 0.0).astype(jnp.float32)
-            _, vjp = jax.vjp(lambda fp, cp, lp, x: composite(fp, cp, lp, x, micro, chunk),
-                             first_p, chunk_params(chunk), last_p, x_in)
-            g_first, g_chunk, g_last, dx = vjp((dy, dloss))
+            dloss = jnp.where(is_last, scale, 0.0).astype(jnp.float32)
+            chunk_p, chunk_active = plan.chunk(stage_p, active, chunk)
+            run = functools.partial(plan.composite, me, inputs, targets, micro, chunk,
+                                    chunk_active)
+            _, vjp = jax.vjp(run, first_p, shared_p, chunk_p, last_p, x_in)
+            g_first, g_shared, g_chunk, g_last, dx = vjp((dy, dloss))
+            add = lambda acc, g: jax.tree.map(jnp.add, acc, g)  # noqa: E731
             carry = dict(
-                carry,
-                g_first=jax.tree.map(jnp.add, carry["g_first"], g_first),
-                g_last=jax.tree.map(jnp.add, carry["g_last"], g_last),
+                carry, g_first=add(carry["g_first"], g_first),
+                g_shared=add(carry["g_shared"], g_shared), g_last=add(carry["g_last"], g_last),
                 g_stage=jax.tree.map(lambda acc, g: acc.at[chunk].add(g), carry["g_stage"],
                                      g_chunk))
             is_first = chunk * p + me == 0
@@ -94,33 +191,93 @@ def pipeline_value_and_grad(table: Table, mesh: Mesh, first_fn: Callable, stage_
         def tick(t, carry):
             carry, send_fwd, send_bwd = jax.lax.switch(tabs["kind"][t, me],
                                                        (idle, forward, backward), carry, t)
-            got_fwd = jax.lax.ppermute(send_fwd, AXIS, forward_ring)
-            got_bwd = jax.lax.ppermute(send_bwd, AXIS, backward_ring)
+            got_fwd = jax.lax.ppermute(send_fwd, AXIS, plan.forward_ring)
+            got_bwd = jax.lax.ppermute(send_bwd, AXIS, plan.backward_ring)
             return dict(carry, acts=carry["acts"].at[tabs["recv_act"][t, me]].set(got_fwd),
                         grads_in=carry["grads_in"].at[tabs["recv_grad"][t, me]].set(got_bwd))
 
+        zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)  # noqa: E731
         carry = {
             "acts": jnp.zeros((table.act_slots + 1, *x_shape.shape), x_shape.dtype),
             "grads_in": jnp.zeros((table.grad_slots + 1, *x_shape.shape), x_shape.dtype),
             "loss": jnp.zeros((), jnp.float32),
-            "g_first": jax.tree.map(jnp.zeros_like, first_p),
-            "g_stage": jax.tree.map(jnp.zeros_like, stage_p),
-            "g_last": jax.tree.map(jnp.zeros_like, last_p),
+            "g_first": zeros(first_p), "g_shared": zeros(shared_p), "g_last": zeros(last_p),
+            "g_stage": zeros(stage_p),
         }
         carry = jax.lax.fori_loop(0, table.ticks, tick, carry)
-        total = lambda tree: jax.lax.psum(tree, AXIS)  # noqa: E731 (only one rank is non-zero)
-        return (total(carry["loss"]), total(carry["g_first"]),
-                jax.tree.map(lambda g: g[None], carry["g_stage"]), total(carry["g_last"]))
+        g_ends = send_back((carry["g_first"], carry["g_last"], carry["g_shared"]))
+        g_stage = jax.tree.map(lambda g: g[None], carry["g_stage"])
+        loss = jax.lax.psum(carry["loss"], (AXIS, *replicas))  # one rank per replica is non-zero
+        # Unreduced over the replicas: a leading [1] per replica, summed after the map.
+        unreduced = jax.tree.map(lambda g: g[None], (g_ends, g_stage))
+        return loss, unreduced if replicas else (g_ends, g_stage)
 
-    staged, replicated = PartitionSpec(AXIS), PartitionSpec()
-    mapped = jax.shard_map(body, mesh=mesh, axis_names={AXIS}, check_vma=False,
-                           in_specs=(replicated, staged, replicated, staged, replicated,
-                                     replicated),
-                           out_specs=(replicated, replicated, staged, replicated))
+    def value_and_grad(first_s, last_s, shared_s, stage_p, active, inputs_M, targets_M):
+        replicas = plan.replicas()
 
-    def value_and_grad(first_p, stage_p, last_p, active, inputs_M, targets_M):
-        loss, g_first, g_stage, g_last = mapped(first_p, stage_p, last_p, active, inputs_M,
-                                                targets_M)
-        return loss, (g_first, g_stage, g_last)
+        def run(*args):
+            with plan.manual(replicas):
+                return body(replicas, *args)
+
+        grads_spec = PartitionSpec(replicas, AXIS) if replicas else PartitionSpec(AXIS)
+        mapped = plan.shard_map(run, replicas, (PartitionSpec(), grads_spec))
+        loss, (g_ends, g_stage) = mapped(first_s, last_s, shared_s, stage_p, active, inputs_M,
+                                         targets_M)
+        if replicas:  # the data-parallel reduction, once per step
+            g_ends, g_stage = jax.tree.map(lambda g: g.sum(0), (g_ends, g_stage))
+        g_first, g_last, g_shared = g_ends
+        return loss, (g_first, g_last, g_shared, g_stage)
 
     return value_and_grad
+
+
+def pipeline_loss(table: Table, mesh: Mesh, first_fn: Callable, stage_fn: Callable,
+                  last_fn: Callable):
+    """Build fn(first_s, last_s, shared_s, stage_p, active, inputs_M, targets_M) -> mean loss,
+    running a forward-only `table` (see `pipeline_value_and_grad` for the arguments)."""
+    plan = _Plan(table, mesh, first_fn, stage_fn, last_fn)
+    p, m = plan.p, plan.m
+    tabs = plan.tabs
+
+    def body(replicas, first_s, last_s, shared_s, stage_p, active, inputs, targets):
+        me = jax.lax.axis_index(AXIS)
+        stage_p = jax.tree.map(lambda a: a[0], stage_p)
+        active = active[0]
+        first_p, last_p, shared_p = plan.ends(first_s, last_s, shared_s, me)
+        x_shape = jax.eval_shape(first_fn, first_p, shared_p, inputs[0])
+        zeros_x = jnp.zeros(x_shape.shape, x_shape.dtype)
+
+        def idle(carry, t):
+            return carry, zeros_x
+
+        def forward(carry, t):
+            micro, chunk = tabs["microbatch"][t, me], tabs["chunk"][t, me]
+            x_in = carry["acts"][tabs["act_slot"][t, me]]
+            chunk_p, chunk_active = plan.chunk(stage_p, active, chunk)
+            y, loss = plan.composite(me, inputs, targets, micro, chunk, chunk_active, first_p,
+                                     shared_p, chunk_p, last_p, x_in)
+            is_last = chunk * p + me == plan.last_stage
+            return dict(carry, loss=carry["loss"] + loss / m), jnp.where(is_last, zeros_x, y)
+
+        def tick(t, carry):
+            carry, send = jax.lax.switch(tabs["kind"][t, me], (idle, forward), carry, t)
+            got = jax.lax.ppermute(send, AXIS, plan.forward_ring)
+            return dict(carry, acts=carry["acts"].at[tabs["recv_act"][t, me]].set(got))
+
+        carry = {"acts": jnp.zeros((table.act_slots + 1, *x_shape.shape), x_shape.dtype),
+                 "loss": jnp.zeros((), jnp.float32)}
+        carry = jax.lax.fori_loop(0, table.ticks, tick, carry)
+        loss = jax.lax.psum(carry["loss"], AXIS)
+        return jax.lax.pmean(loss, replicas) if replicas else loss
+
+    def loss_fn(first_s, last_s, shared_s, stage_p, active, inputs_M, targets_M):
+        replicas = plan.replicas()
+
+        def run(*args):
+            with plan.manual(replicas):
+                return body(replicas, *args)
+
+        return plan.shard_map(run, replicas, PartitionSpec())(
+            first_s, last_s, shared_s, stage_p, active, inputs_M, targets_M)
+
+    return loss_fn

@@ -5,6 +5,10 @@ Stacked layer parameters `[N, ...]` are stored in the pipeline layout `[p, v, Lm
 (sharded over the `stage` axis on the first dimension), where Lmax is the longest run; shorter
 runs are padded with copies of layer 0 that the `active` mask turns into the identity. So 10
 layers on 4 ranks run as 3, 3, 2, 2.
+
+The parameters outside the layer stack (embedding, head) are stored split evenly over the ranks
+by their first dimension, `[n, ...] -> [p, ceil(n/p), ...]` (zero rows pad the last part), and
+the engine sends them whole to the ranks that use them (`split_over_stages`, `join_stages`).
 """
 
 from __future__ import annotations
@@ -63,3 +67,16 @@ def split_layers(num_layers: int, stages: int, virtual: int = 1,
         active[device, chunk, :count] = True
         start += count
     return Layout(index, active)
+
+
+def split_over_stages(a_Nx, stages: int, multiple: int = 1):
+    """[N, ...] -> [p, K, ...], K = N / p rounded up to a multiple of `multiple`; padding rows
+    are zeros (they get zero gradients and stay zero)."""
+    k = -(-a_Nx.shape[0] // (stages * multiple)) * multiple
+    pad = [(0, stages * k - a_Nx.shape[0])] + [(0, 0)] * (a_Nx.ndim - 1)
+    return jnp.pad(a_Nx, pad).reshape(stages, k, *a_Nx.shape[1:])
+
+
+def join_stages(a_PxKx, n: int):
+    """[p, K, ...] -> [n, ...]: undoes `split_over_stages`."""
+    return a_PxKx.reshape(-1, *a_PxKx.shape[2:])[:n]

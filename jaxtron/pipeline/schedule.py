@@ -12,6 +12,11 @@ per tick, each taking one tick. The idle cells are the bubble: (p-1)/(m+p-1) for
 The table also assigns buffer slots: where each device keeps a received activation until its
 backward has used it, and where it keeps a received gradient. The number of slots is the
 memory the schedule needs: GPipe's grows with m, 1F1B's stays near p.
+
+`forward_table` is evaluation's schedule: the same placement with forwards only, in the
+interleaved order (microbatches in groups of p per chunk, which is plain microbatch order when
+v = 1). An activation is held only until the next virtual stage's forward has read it, so a
+forward-only pass needs about one slot and no backward buffers at all.
 """
 
 from __future__ import annotations
@@ -94,9 +99,22 @@ class Table:
 
 
 def build_table(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> Table:
+    """The training table: every forward and backward of `schedule`."""
+    return _place(schedule, device_orders(schedule, stages, microbatches, virtual), stages,
+                  microbatches, virtual)
+
+
+def forward_table(stages: int, microbatches: int, virtual: int = 1) -> Table:
+    """Forwards only (evaluation): bubble (p-1)/(v*m+p-1) when p divides m or v = 1."""
     p, m, v = stages, microbatches, virtual
+    order = [Action(FORWARD, mb, c) for g in range(0, m, p) for c in range(v)
+             for mb in range(g, min(g + p, m))]
+    return _place("forward", [list(order) for _ in range(p)], p, m, v)
+
+
+def _place(schedule: str, orders: list[list[Action]], p: int, m: int, v: int) -> Table:
+    """Each device's next action at the earliest tick its inputs exist."""
     last = p * v - 1
-    orders = device_orders(schedule, p, m, v)
     done: dict[tuple[int, int, int], int] = {}  # (kind, microbatch, virtual stage) -> tick
     placed: list[list[tuple[int, Action]]] = [[] for _ in range(p)]
     cursor = [0] * p
@@ -139,8 +157,9 @@ def _assign_slots(placed, ticks: int, p: int, v: int, m: int, done) -> Table:
     act_events, grad_events = [], []  # (arrival tick, release tick, device, (mb, vs))
     for (k, micro, vs), t in done.items():
         if k == FORWARD and vs < last:
-            dest = vs + 1
-            act_events.append((t, done[(BACKWARD, micro, dest)], dest % p, (micro, dest)))
+            dest = vs + 1  # held until its backward; without backwards, until its forward
+            release = done.get((BACKWARD, micro, dest), done[(FORWARD, micro, dest)])
+            act_events.append((t, release, dest % p, (micro, dest)))
         if k == BACKWARD and vs > 0:
             dest = vs - 1
             grad_events.append((t, done[(BACKWARD, micro, dest)], dest % p, (micro, dest)))
