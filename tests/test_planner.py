@@ -69,12 +69,15 @@ def test_communication_and_bubble_follow_the_closed_forms():
                                   virtual_stages=2)) == 3 / 19
     layout = Layout(data=4, tensor=2)
     params, _, _ = state_bytes(config, layout)
-    comm = communication(config, layout)
+    comm = communication(config, layout, "gpu")
     assert comm["data"] == 2 * 3 / 4 * params  # ring all-reduce of the gradients
     tokens = config.train.batch_size // 4 * config.data.seq_len  # per data replica
-    # Per Llama block 2 all-reduces forward and 5 backward (q, k, v, gate, up), plus the
-    # vocabulary-parallel embedding and head, of [tokens, D] fp32 over 2 ranks
-    assert comm["tensor"] == (7 * 4 + 2) * 2 * (1 / 2) * tokens * 128 * 4
+    # Megatron: per block 2 all-reduces forward and 2 backward, plus the vocabulary-parallel
+    # embedding and head, of [tokens, D] fp32 over 2 ranks; XLA:CPU sums q, k, v, gate and up
+    # input gradients separately: 5 backward
+    activation_ring = 2 * (1 / 2) * tokens * 128 * 4
+    assert comm["tensor"] == (4 * 4 + 2) * activation_ring
+    assert communication(config, layout, "cpu")["tensor"] == (7 * 4 + 2) * activation_ring
     assert comm["fsdp"] == comm["sequence"] == comm["stage"] == 0
 
 

@@ -19,7 +19,9 @@ microbatches) per step.
     tensor    per pass and block: Megatron's two all-reduces of A forward; backward one per
               column-parallel input matmul, as XLA emits them: q, k, v and both SwiGLU inputs
               (gate, up) are summed separately, 5 for Llama (4 for GPT-2), +1 with
-              `remat: full` (the forward again, but for the block output, which is kept); the vocabulary-parallel embedding (forward)
+              `remat: full` (the forward again, but for the block output, which is kept).
+              That is the count XLA:CPU compiles; for GPUs and TPUs, which this machine cannot
+              compile for, the prediction keeps Megatron's 2 backward (one per sublayer); the vocabulary-parallel embedding (forward)
               and head (backward) add one each per pass. With kv heads replicated over tensor
               (fewer kv heads than ranks) k and v are not partial sums; their gradients are
               all-reduced over the r = t / G ranks that share a kv head instead, and the kv
@@ -57,7 +59,7 @@ def communication(config: Config, layout: Layout, platform: str = "gpu") -> dict
     grads, _, _ = state_bytes(config, dataclasses.replace(layout, zero_stage=0))
     passes = layout.grad_accum * (layout.microbatches if layout.stage > 1 else 1)
     _data_and_fsdp(out, layout, grads, passes, reduce_scatter=platform != "cpu")
-    out["tensor"] = _tensor(config, layout) * passes
+    out["tensor"] = _tensor(config, layout, separate_sums=platform == "cpu") * passes
     out["expert"] = _expert(config, layout) * passes
     out["sequence"], out["stage"] = (x * passes for x in _sequence_and_stage(config, layout))
     return out
@@ -98,8 +100,10 @@ def _data_and_fsdp(out, layout: Layout, grads: float, passes: int, reduce_scatte
             out["data"] += ring(n) * grads
 
 
-def _tensor(config: Config, layout: Layout) -> float:
-    """Bytes per microbatch pass over the tensor axis."""
+def _tensor(config: Config, layout: Layout, separate_sums: bool) -> float:
+    """Bytes per microbatch pass over the tensor axis. `separate_sums`: the backward
+    all-reduces each column-parallel input gradient on its own (as XLA:CPU compiles it);
+    otherwise one per sublayer, Megatron's count."""
     t = layout.tensor
     if t == 1:
         return 0.0
@@ -111,7 +115,7 @@ def _tensor(config: Config, layout: Layout) -> float:
     replicated_kv = m.kv_heads % t != 0
     forward = 2 + (1 if layout.remat == "full" else 0)  # the block output is not recomputed
     inputs = 1 if replicated_kv else 3  # q (k, v) read the replicated block input
-    backward = inputs + (2 if m.type == "llama" else 1)
+    backward = inputs + (2 if m.type == "llama" else 1) if separate_sums else 2
     sent = (layers * (forward + backward) + 2) * 2 * ring(t) * activation
     if replicated_kv:
         r = t // math.gcd(t, m.kv_heads)  # ranks that share one kv head
