@@ -74,6 +74,10 @@ def test_replica_group_formats_name_the_same_groups():
     assert _replica_groups("[4,2]<=[2,4]T(1,0)", N) == expected
     assert _replica_groups("mesh['a'=2,'b'=4] {'a'}", N) == expected
     assert _replica_groups("mesh['a'=2,'b'=4]", N) == [list(range(N))]
+    # the mesh's devices in another order: [0, 4, 1, 5, ...] laid out as a=4 x b=2
+    assert _replica_groups("mesh['a'=4,'b'=2], device_ids=([2,4]T(1,0)) {'b'}", N) == expected
+    assert _replica_groups("mesh['a'=4,'b'=2], device_ids=(0,4,1,5,2,6,3,7) {'b'}",
+                           N) == expected
 
 
 def step_traffic(overrides):

@@ -41,6 +41,7 @@ DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16"
 _HEADER = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s+(?:ROOT )?%?[\w.\-]+ = (.*?) ([a-z\-]+)\((.*)$")
 _ARRAY = re.compile(r"\b([a-z]+\d*[a-z0-9]*)\[([\d,]*)\]")
+_IDS = r"(?:\[[\d,]+\](?:T\([\d,]+\))?|[\d,\s]*)"  # device ids: an iota or a list
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _CALLEE = re.compile(r"\b(body|condition|calls|to_apply)=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"\b(?:branch_computations=\{([^}]*)\}|"
@@ -216,10 +217,10 @@ def _field(rest: str, name: str) -> str:
                 break
         return rest[i:j]
     end = rest.find(", ", i)
-    if rest.startswith("mesh[", i):  # mesh['a'=2,...] {'a'}: the selection follows a space
+    if rest.startswith("mesh[", i):  # mesh['a'=2,...][, device_ids=(...)] {'a'}
         close = rest.find("]", i)
-        selection = re.match(r"\s*(\{[^}]*\})", rest[close + 1:])
-        return rest[i:close + 1] + (selection.group(1) if selection else "")
+        tail = re.match(r"(, device_ids=\(" + _IDS + r"\))?\s*(\{[^}]*\})?", rest[close + 1:])
+        return rest[i:close + 1] + (tail.group(1) or "") + " " + (tail.group(2) or "")
     return rest[i:end if end >= 0 else len(rest)]
 
 
@@ -228,8 +229,11 @@ def _replica_groups(text: str, devices: int) -> list[list[int]]:
     text = text.strip()
     if text.startswith("mesh["):
         sizes = [(name, int(size)) for name, size in re.findall(r"'(\w+)'=(\d+)", text)]
-        chosen = re.findall(r"'(\w+)'", text[text.find("]") + 1:])
-        ids = np.arange(devices).reshape([s for _, s in sizes])
+        after = text[text.find("]") + 1:]
+        order = re.search(r"device_ids=\((" + _IDS + r")\)", after)
+        chosen = re.findall(r"'(\w+)'", after[order.end() if order else 0:])
+        ids = _device_order(order.group(1) if order else "", devices).reshape(
+            [s for _, s in sizes])
         names = [n for n, _ in sizes]
         keep = [i for i, n in enumerate(names) if chosen and n not in chosen]
         picked = [i for i, n in enumerate(names) if not chosen or n in chosen]
@@ -245,6 +249,20 @@ def _replica_groups(text: str, devices: int) -> list[list[int]]:
     groups = [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([\d,]*)\}", text)]
     groups = [g for g in groups if g]
     return groups or [list(range(devices))]
+
+
+def _device_order(text: str, devices: int) -> np.ndarray:
+    """Device ids listed explicitly (0,2,4,...), as an iota [2,4]T(1,0), or 0..n-1."""
+    text = text.strip()
+    if not text:
+        return np.arange(devices)
+    iota = re.match(r"\[([\d,]+)\](?:T\(([\d,]+)\))?", text)
+    if iota:
+        ids = np.arange(devices).reshape([int(x) for x in iota.group(1).split(",")])
+        if iota.group(2):
+            ids = ids.transpose([int(x) for x in iota.group(2).split(",")])
+        return ids.reshape(-1)
+    return np.array([int(x) for x in text.split(",") if x.strip()])
 
 
 def _coordinates(ids, shape: Mapping[str, int]) -> np.ndarray:
