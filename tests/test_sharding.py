@@ -56,6 +56,8 @@ LAYOUTS = {
     "data4_accum": {"mesh.data": 4, "mesh.tensor": 2, "optim.grad_accum": 2},
     "zero2_accum": {"mesh.data": 4, "mesh.tensor": 2, "optim.zero_stage": 2,
                     "optim.grad_accum": 2},
+    "ring_zero2_accum": {"mesh.data": 4, "mesh.sequence": 2, "optim.zero_stage": 2,
+                         "optim.grad_accum": 2},
 }
 
 
