@@ -107,3 +107,22 @@ def test_zero2_reduce_scatters_gradients_instead_of_all_reducing_them():
                                                                       rel=0.02)
     assert traffic.sent("all-gather", ("data",)) == pytest.approx(params * (N - 1) / N,
                                                                   rel=0.02)
+
+
+def test_expert_parallelism_moves_only_the_dispatched_slots():
+    """data=2 x expert=4: each device starts the expert all-to-all from the rows it holds, so
+    the only MoE traffic is 4 all-to-alls per layer (dispatch and combine, forward and
+    backward) of its [B, E, C, D] slots: nothing re-lays or gathers the batch."""
+    layers, experts, top_k, factor, seq, batch, d = 2, 4, 2, 1.25, 32, 32, 64
+    config = make_config({"mesh.data": 2, "mesh.expert": 4}, train={"batch_size": batch},
+                         moe={"num_experts": experts, "top_k": top_k,
+                              "capacity_factor": factor})
+    trainer = Trainer(config)
+    compiled = trainer.compile_step(trainer.abstract_state(), trainer.abstract_batch())
+    traffic = count_collectives(compiled.as_text(), trainer.mesh)
+    slots = int(np.ceil(factor * seq * top_k / experts))
+    dispatched = 4 * (batch // 8) * experts * slots * d  # fp32 [B/8, E, C, D]
+    assert traffic.sent("all-to-all", ("expert",)) == pytest.approx(
+        4 * layers * dispatched * 3 / 4)
+    assert traffic.count("collective-permute") == 0
+    assert traffic.sent("all-gather") == 0

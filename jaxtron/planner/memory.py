@@ -20,9 +20,7 @@ token the block keeps, in the compute dtype,
                  `models/activations.py` writes their derivatives from the inputs alone)
 
 and no dropout masks. No attention implementation keeps [L, L] scores (flash-style, they keep
-the output and a log-sum-exp per row), except ring attention (a `sequence` axis), which JAX
-differentiates: it keeps fp32 scores, masked scores and probabilities, 12 bytes per query-key
-pair and head.
+the output and a log-sum-exp per row), ring attention (a `sequence` axis) included.
 `remat: full` keeps only each block's input (D / r); `save_dots` keeps the matmul outputs. The
 backward of a block needs 1-2 blocks' worth of working memory on top: the activations it
 consumes (kept or recomputed) and their gradients, as the intercept of XLA's memory against
@@ -86,6 +84,15 @@ def _sharded_elements(shape, names, rules, degrees, stage: int) -> float:
     return count
 
 
+def expert_gradient_bytes(config: Config, layout: Layout) -> int:
+    """The part of this device's gradient bytes that belongs to routed experts (split over the
+    `expert` axis; the rest is replicated over it, like data parallelism)."""
+    degrees, rules = layout.degrees(), param_rules(config)
+    return int(sum(itemsize * _sharded_elements(shape, names, rules, degrees, layout.stage)
+                   for shape, names, itemsize in _parameter_shapes((config.model, config.moe))
+                   if "expert" in names))
+
+
 def state_bytes(config: Config, layout: Layout) -> tuple[int, int, int]:
     """(parameters, Adam moments, gradients) bytes on one device."""
     c = _with_layout(config, layout)
@@ -130,13 +137,7 @@ def layer_activation_bytes(config: Config, layout: Layout, tokens: int, policy: 
     full = (2 * (2 + norm_saves) * m.d_model / r + 2 * hk / t
             + 2 * gk / kv_split + (3 if m.type == "llama" else 2) * _mlp_width(config) / t)
     per_token = dots if policy == "save_dots" else full
-    scores = 0.0
-    if layout.sequence > 1:  # ring attention: JAX differentiates it, so it keeps its scores
-        seq = config.data.seq_len
-        sequences = tokens / (seq / layout.sequence)
-        scores = sequences * (m.num_heads / t) * (seq / layout.sequence) * seq * (
-            4 if policy == "save_dots" else 12)
-    return e * tokens * per_token + scores
+    return e * tokens * per_token
 
 
 def _mlp_width(config: Config) -> int:

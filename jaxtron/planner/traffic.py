@@ -9,7 +9,8 @@ stage), P = f G those of the fsdp-gathered parameters, A = e x tokens x D one mi
 residual stream on this device, and each microbatch pass is one of grad_accum (x pipeline
 microbatches) per step.
 
-    data      gradients once per step: all-reduce 2 G (n-1)/n; ZeRO-1 adds the all-gather of the
+    data      gradients once per step: all-reduce 2 G (n-1)/n (n = data x expert for weights
+              outside the experts, data for the experts' own); ZeRO-1 adds the all-gather of the
               updated parameters, G (n-1)/n; ZeRO-2 reduce-scatters and all-gathers instead,
               2 G (n-1)/n (`sharding/data_parallel.py`)
     fsdp      per pass, the weights gathered for the forward and again for the backward,
@@ -27,7 +28,9 @@ microbatches) per step.
               all-reduced over the r = t / G ranks that share a kv head instead, and the kv
               heads all-gathered for the backward.
     expert    per pass and MoE layer: the dispatched slots [B, E, C, D] cross the axis forward
-              and back (all-to-all, twice) and their gradients in the backward (twice)
+              and back (all-to-all, twice) and their gradients in the backward (twice). The
+              experts' weights are gathered over fsdp once per pass (the expert shard_map keeps
+              them for the backward) and reduced over data alone.
     sequence  ring attention passes k and v round the ring, forward and twice backward
     stage     the stage output forward and its gradient backward, per microbatch
 
@@ -44,7 +47,7 @@ import numpy as np
 
 from jaxtron.config import Config
 from jaxtron.planner.layout import Layout
-from jaxtron.planner.memory import microbatch_sequences, state_bytes
+from jaxtron.planner.memory import expert_gradient_bytes, microbatch_sequences, state_bytes
 
 AXES = ("stage", "data", "fsdp", "expert", "sequence", "tensor")
 
@@ -58,9 +61,13 @@ def communication(config: Config, layout: Layout, platform: str = "gpu") -> dict
     out = dict.fromkeys(AXES, 0.0)
     grads, _, _ = state_bytes(config, dataclasses.replace(layout, zero_stage=0))
     passes = layout.grad_accum * (layout.microbatches if layout.stage > 1 else 1)
-    _data_and_fsdp(out, layout, grads, passes, reduce_scatter=platform != "cpu")
+    experts = expert_gradient_bytes(config, layout) if layout.expert > 1 else 0
+    _data_and_fsdp(out, layout, grads - experts, passes, reduce_scatter=platform != "cpu")
+    if experts:  # the experts' own weights: gathered over fsdp, replicated over data only
+        _data_and_fsdp(out, dataclasses.replace(layout, expert=1), experts, passes,
+                       reduce_scatter=platform != "cpu", gathers=1)
     out["tensor"] = _tensor(config, layout, separate_sums=platform == "cpu") * passes
-    out["expert"] = _expert(config, layout) * passes
+    out["expert"] += _expert(config, layout) * passes
     out["sequence"], out["stage"] = (x * passes for x in _sequence_and_stage(config, layout))
     return out
 
@@ -79,25 +86,35 @@ def _sequence_and_stage(config: Config, layout: Layout) -> tuple[float, float]:
     return sequence, stage
 
 
-def _data_and_fsdp(out, layout: Layout, grads: float, passes: int, reduce_scatter: bool):
-    n, f = layout.data, layout.fsdp
-    gathered = grads * f
+def _data_and_fsdp(out, layout: Layout, grads: float, passes: int, reduce_scatter: bool,
+                   gathers: int = 2):
+    """Gradients replicated over data, fsdp and expert (outside the experts, expert ranks are
+    data-parallel ranks: their reduction spans data x expert, booked to data, or to expert
+    alone without data parallelism). `gathers`: fsdp all-gathers of the weights per pass; the
+    experts' weights are gathered once, kept by the expert shard_map for its backward."""
+    n, f, x = layout.data, layout.fsdp, layout.expert
     manual_data = n > 1 and (layout.grad_accum > 1 or layout.zero_stage >= 2)
+    if x > 1:
+        if n == 1 or manual_data:  # reduced over expert in each pass, apart from data
+            out["expert"] += 2 * ring(x) * grads * passes
+        else:
+            n *= x
+    gathered = grads * f
     if f > 1:
-        out["fsdp"] += 2 * ring(f) * gathered * passes  # weights before forward and backward
+        out["fsdp"] += gathers * ring(f) * gathered * passes  # weights for forward, backward
         if reduce_scatter:
             out["fsdp"] += ring(f) * gathered * passes
         elif n > 1 and not manual_data:  # one all-reduce over data x fsdp
             out["data"] += 2 * ring(n * f) * gathered * passes
             if layout.zero_stage == 1:
-                out["data"] += ring(n) * grads
+                out["data"] += ring(layout.data) * grads
             return
         else:
             out["fsdp"] += 2 * ring(f) * gathered * passes
     if n > 1:
         out["data"] += 2 * ring(n) * grads
         if layout.zero_stage == 1:
-            out["data"] += ring(n) * grads
+            out["data"] += ring(layout.data) * grads
 
 
 def _tensor(config: Config, layout: Layout, separate_sums: bool) -> float:

@@ -40,6 +40,10 @@ TRAFFIC_MATRIX = (Layout(data=8), Layout(fsdp=8), Layout(data=2, tensor=4),
                   Layout(data=2, fsdp=2, tensor=2, grad_accum=2),
                   Layout(data=4, tensor=2, zero_stage=2, grad_accum=2),
                   Layout(data=2, fsdp=2, tensor=2, remat="save_dots"))
+# The same with a mixture of experts (4 experts, top-2, capacity routing) in every layer.
+MOE_TRAFFIC_MATRIX = (Layout(data=2, expert=4), Layout(data=2, expert=4, grad_accum=2),
+                      Layout(data=4, expert=2, zero_stage=1), Layout(fsdp=2, expert=4),
+                      Layout(data=4, expert=2, zero_stage=2, grad_accum=2))
 BUCKETS = {"data+fsdp": ("data", "fsdp"), "tensor": ("tensor",), "sequence": ("sequence",),
            "expert": ("expert",), "stage": ("stage",)}
 
@@ -51,6 +55,7 @@ class Row:
     compiled_bytes: int
     predicted_sent: dict   # bucket -> bytes sent per device per step
     measured_sent: dict
+    moe: bool = False
 
     def traffic_errors(self, floor: float = 2**16) -> dict:
         """bucket -> relative error, for buckets where either side sends more than `floor`."""
@@ -90,7 +95,8 @@ def run(layouts=MATRIX, base=BASE) -> list[Row]:
             if axes:
                 booked[axes[0]] += sent  # the outermost axis it spans
         rows.append(Row(layout, predict(planned, layout).total, measured,
-                        _bucketed(communication(planned, layout, "cpu")), _bucketed(booked)))
+                        _bucketed(communication(planned, layout, "cpu")), _bucketed(booked),
+                        planned.moe.enabled))
     return rows
 
 
@@ -106,11 +112,12 @@ def main() -> int:
     print(f"mean |error| {sum(errors) / len(errors):.1%}, max {max(errors):.1%}")
     worst = 0.0
     print("communication: MiB sent per device per step, predicted / counted (error)")
-    for row in run(TRAFFIC_MATRIX):
+    for row in run(TRAFFIC_MATRIX) + run(MOE_TRAFFIC_MATRIX, BASE + MOE):
         cells = [f"{b} {row.predicted_sent[b] / mib:.2f} / {row.measured_sent[b] / mib:.2f} "
                  f"({e:+.1%})" for b, e in row.traffic_errors().items()]
         worst = max([worst, *map(abs, row.traffic_errors().values())])
-        print(f"{row.layout.describe():<44} {'  '.join(cells)}", flush=True)
+        moe = " moe" if row.moe else ""
+        print(f"{row.layout.describe() + moe:<44} {'  '.join(cells)}", flush=True)
     print(f"communication: worst |error| {worst:.1%}")
     return 0
 
