@@ -9,7 +9,7 @@ each closed by one `block_until_ready`, and the median window gives the step tim
 
 - MFU: model FLOPs (`jaxtron.flops`, the formula training reports) / step time / peak.
 - HFU: the same plus the FLOPs that activation recompute repeats (`model.remat: full` runs every
-  block's forward twice; `save_dots` the attention forward, with cuDNN or ring attention only).
+  block's forward twice; `save_dots` the attention forward, with cuDNN only).
 - Peak: datasheet bf16 numbers for known accelerators; on CPU, an fp32 matmul measured in this
   run on the whole machine (simulated devices share its cores).
 - Overhead: on one device, the jaxtron step against `jaxtron.plain_llama`, the same model written

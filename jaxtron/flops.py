@@ -88,10 +88,10 @@ def recomputes_block_forward(config) -> bool:
 
 def save_dots_repeats_attention(config, platform: str | None = None) -> bool:
     """Whether `remat: save_dots` runs the attention forward again in the backward. The
-    blockwise (xla) and pallas kernels name their output and log-sum-exp, which the policy
-    keeps; cuDNN's and ring attention's (a `sequence` mesh axis) residuals have no names."""
+    blockwise (xla), pallas and ring (a `sequence` mesh axis) kernels name their output and
+    log-sum-exp, which the policy keeps; cuDNN's residuals have no names."""
     platform = {"gpu": "cuda"}.get(platform, platform) or local_platform()
-    return configured_kernel(config, platform) in (Kernel.RING, Kernel.CUDNN)
+    return configured_kernel(config, platform) is Kernel.CUDNN
 
 
 def hardware_flops_per_token(config, platform: str | None = None) -> float:
