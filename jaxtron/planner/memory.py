@@ -26,7 +26,7 @@ backward of a block needs 1-2 blocks' worth of working memory on top: the activa
 consumes (kept or recomputed) and their gradients, as the intercept of XLA's memory against
 depth shows (BACKWARD_WORKING_BLOCKS). A pipeline rank keeps its stage input for each
 microbatch in flight and re-runs the stage from it in the backward, so it holds one stage's
-activations at a time.
+activations at a time, and the embedding and head whole (gathered from their stage slices).
 The loss adds fp32 logits and their gradient, [tokens, V / t], or one chunk of them with the
 chunked loss.
 """
@@ -75,13 +75,27 @@ def _parameter_shapes(model_key) -> list[tuple[tuple[int, ...], tuple, int]]:
 
 def _sharded_elements(shape, names, rules, degrees, stage: int) -> float:
     count = 1.0
-    for size, name in zip(shape, names):
+    end = stage > 1 and "layers" not in names  # embedding, head: split over stages too
+    for dim, (size, name) in enumerate(zip(shape, names)):
         if name == "layers" and stage > 1:
             count *= math.ceil(size / stage)  # the stack is split over pipeline ranks
+            continue
+        if end and dim == 0:  # [N, ...] -> [p, ceil(N / (p w)) w, ...], w ways over the mesh
+            ways = math.prod(degrees[a] for a in rules.get(name, ()) if a in degrees)
+            count *= math.ceil(size / (stage * ways))
             continue
         split = math.prod(degrees[a] for a in rules.get(name, ()) if a in degrees)
         count *= size / split if size % split == 0 else size  # kv heads replicate
     return count
+
+
+def end_bytes(config: Config, layout: Layout) -> int:
+    """Bytes on one device of the parameters outside the layer stack (embedding, head, final
+    norm) as the mesh splits them, before a pipeline splits them over its stages."""
+    degrees, rules = layout.degrees(), param_rules(config)
+    return int(sum(itemsize * _sharded_elements(shape, names, rules, degrees, 1)
+                   for shape, names, itemsize in _parameter_shapes((config.model, config.moe))
+                   if "layers" not in names))
 
 
 def expert_gradient_bytes(config: Config, layout: Layout) -> int:
@@ -166,7 +180,9 @@ def predict(config: Config, layout: Layout) -> Memory:
                      else min(layout.microbatches, layout.stage * layout.virtual_stages))
         stage_input = e * tokens * m.d_model
         chunk = math.ceil(layers / layout.virtual_stages)
-        activations = in_flight * stage_input + chunk * kept + working
+        # + the embedding and head gathered whole from their stage slices, on every rank
+        activations = in_flight * stage_input + chunk * kept + working + end_bytes(config,
+                                                                                  layout)
     else:
         activations = layers * kept + working
     vocab = m.vocab_size / layout.tensor

@@ -32,10 +32,12 @@ microbatches) per step.
               experts' weights are gathered over fsdp once per pass (the expert shard_map keeps
               them for the backward) and reduced over data alone.
     sequence  ring attention passes k and v round the ring, forward and twice backward
-    stage     the stage output forward and its gradient backward, per microbatch
+    stage     per schedule tick, the stage output forward and its gradient backward (idle
+              ranks send zeros), 2 A; per pass the embedding and head slices to the ranks that
+              use them, (p-1)/p^2 of each table, and their gradients back once per step
 
-`python -m jaxtron.planner.validate` sets these beside the counted bytes; data, fsdp and tensor
-are within 10% on its matrix, sequence, stage and expert are not yet modelled to that standard.
+`python -m jaxtron.planner.validate` sets these beside the counted bytes; data, fsdp, tensor,
+expert and stage are within 10% on its matrix; sequence (ring attention) is not yet checked.
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ import numpy as np
 
 from jaxtron.config import Config
 from jaxtron.planner.layout import Layout
-from jaxtron.planner.memory import expert_gradient_bytes, microbatch_sequences, state_bytes
+from jaxtron.planner.memory import (end_bytes, expert_gradient_bytes, microbatch_sequences,
+                                    state_bytes)
 
 AXES = ("stage", "data", "fsdp", "expert", "sequence", "tensor")
 
@@ -68,22 +71,43 @@ def communication(config: Config, layout: Layout, platform: str = "gpu") -> dict
                        reduce_scatter=platform != "cpu", gathers=1)
     out["tensor"] = _tensor(config, layout, separate_sums=platform == "cpu") * passes
     out["expert"] += _expert(config, layout) * passes
-    out["sequence"], out["stage"] = (x * passes for x in _sequence_and_stage(config, layout))
+    out["sequence"] = _sequence(config, layout) * passes
+    per_pass, per_step = _stage(config, layout)  # a pass here: the schedule's whole table
+    out["stage"] = per_pass * layout.grad_accum + per_step
     return out
 
 
-def _sequence_and_stage(config: Config, layout: Layout) -> tuple[float, float]:
-    """Per pass: ring attention passes k and v round the ring forward and twice backward; a
-    pipeline stage sends its output forward and the gradient back. (Not yet checked against
-    the counter: see docs/parallelism.md.)"""
+def _sequence(config: Config, layout: Layout) -> float:
+    """Per pass: ring attention passes k and v round the ring forward and twice backward (not
+    yet checked against the counter: see docs/parallelism.md)."""
     m = config.model
     e = np.dtype(m.compute_dtype).itemsize
     tokens = microbatch_sequences(config, layout) * config.data.seq_len // layout.sequence
     layers = math.ceil(m.num_layers / layout.stage)
     kv = e * tokens * m.kv_heads * m.resolved_head_dim * 2
-    sequence = 3 * (layout.sequence - 1) * kv * layers
-    stage = 2 * e * tokens * m.d_model if layout.stage > 1 else 0.0
-    return sequence, stage
+    return 3 * (layout.sequence - 1) * kv * layers
+
+
+def _stage(config: Config, layout: Layout) -> tuple[float, float]:
+    """(bytes per run of the schedule, bytes per step) over `stage`. Every tick of the schedule each rank sends
+    its forward output on and its input gradient back (idle ranks send zeros of the same
+    shape): 2 A per tick. The embedding and head are stored split over the p ranks: per pass
+    the p-1 other slices of each travel to the rank that uses it, (p-1)/p^2 of the table per
+    device, and their gradients go back once per step."""
+    p = layout.stage
+    if p == 1:
+        return 0.0, 0.0
+    from jaxtron.pipeline.schedule import build_table
+
+    m = config.model
+    e = np.dtype(m.compute_dtype).itemsize
+    tokens = microbatch_sequences(config, layout) * config.data.seq_len // layout.sequence
+    ticks = build_table(layout.schedule, p, layout.microbatches, layout.virtual_stages).ticks
+    per_pass = 2 * ticks * e * tokens * m.d_model
+    ends = end_bytes(config, layout)  # per device, before the split over stages
+    ends *= 2 if m.tied_embeddings else 1  # the one table goes to both ends
+    moved = ends * (p - 1) / p ** 2
+    return per_pass + moved, moved
 
 
 def _data_and_fsdp(out, layout: Layout, grads: float, passes: int, reduce_scatter: bool,
