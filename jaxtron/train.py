@@ -198,8 +198,10 @@ def _finishing(checkpoints, profiler, log):
     finally:
         profiler.stop()
         log.close()
-        checkpoints.wait()
-        checkpoints.close()
+        try:
+            checkpoints.wait()
+        finally:  # a failed save raises here; Orbax's threads must still shut down cleanly
+            checkpoints.close()
     checkpoints.check()
 
 
