@@ -26,7 +26,9 @@ microbatches) per step.
               and head (backward) add one each per pass. With kv heads replicated over tensor
               (fewer kv heads than ranks) k and v are not partial sums; their gradients are
               all-reduced over the r = t / G ranks that share a kv head instead, and the kv
-              heads all-gathered for the backward.
+              heads all-gathered for the backward. Sequence parallelism replaces each
+              all-reduce by a reduce-scatter and an all-gather, the same bytes; XLA:CPU keeps
+              the all-reduce and slices it, then gathers: 1.5 times the bytes.
     expert    per pass and MoE layer: the dispatched slots [B, E, C, D] cross the axis forward
               and back (all-to-all, twice) and their gradients in the backward (twice). The
               experts' weights are gathered over fsdp once per pass (the expert shard_map keeps
@@ -158,6 +160,10 @@ def _tensor(config: Config, layout: Layout, separate_sums: bool) -> float:
     inputs = 1 if replicated_kv else 3  # q (k, v) read the replicated block input
     backward = inputs + (2 if m.type == "llama" else 1) if separate_sums else 2
     sent = (layers * (forward + backward) + 2) * 2 * ring(t) * activation
+    if layout.sequence_parallel and separate_sums:
+        # Megatron's reduce-scatter + all-gather in place of each all-reduce (the same bytes)
+        # compiles on XLA:CPU as all-reduce + slice + all-gather: 1.5 times the bytes
+        sent *= 1.5
     if replicated_kv:
         r = t // math.gcd(t, m.kv_heads)  # ranks that share one kv head
         kv = e * tokens * m.resolved_head_dim
