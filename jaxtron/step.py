@@ -16,6 +16,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx, struct
 
+from jaxtron.sharding.zigzag import in_zigzag_order
+
 
 # (params, tokens) -> ((objective, metrics), grads); metrics["loss"] is the language-model loss,
 # the objective adds any auxiliary terms (mixture-of-experts balancing).
@@ -29,12 +31,17 @@ class TrainState:
     opt_state: optax.OptState
 
 
-def make_loss_fn(graphdef: nnx.GraphDef):
+def make_loss_fn(graphdef: nnx.GraphDef, sequence_ring: int = 1):
     """loss(params, tokens_Bx(L+1)) -> (objective, metrics) for the model `graphdef`: next-token
-    cross-entropy plus the model's weighted auxiliary losses."""
+    cross-entropy plus the model's weighted auxiliary losses. With `sequence_ring` > 1 (ring
+    attention over that many devices) the model sees each sequence in the ring's zig-zag order,
+    set here once instead of in every layer (`jaxtron.sharding.zigzag`): the same mean loss."""
 
     def loss_fn(params, tokens):
-        loss, aux = nnx.merge(graphdef, params).loss(tokens[:, :-1], tokens[:, 1:])
+        model_loss = nnx.merge(graphdef, params).loss
+        if sequence_ring > 1:
+            model_loss = in_zigzag_order(model_loss, sequence_ring)
+        loss, aux = model_loss(tokens[:, :-1], tokens[:, 1:])
         objective = loss + sum(aux.pop("weighted_terms", []), jnp.zeros((), jnp.float32))
         return objective, {"loss": loss, **aux}
 

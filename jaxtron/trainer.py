@@ -51,7 +51,7 @@ class Trainer:
         self.graphdef, _ = nnx.split(abstract_model)
         self.pipeline = (PipelinedTransformer(config, self.mesh) if config.mesh.stage > 1
                          else None)
-        self.loss_fn = make_loss_fn(self.graphdef)
+        self.loss_fn = make_loss_fn(self.graphdef, self.mesh.shape["sequence"])
 
         self._abstract = abstract = jax.eval_shape(self._init)  # traced once, reused below
         replicated = NamedSharding(self.mesh, PartitionSpec())

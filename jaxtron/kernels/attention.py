@@ -26,8 +26,9 @@ platform's kernel needed.) cuDNN can only be traced where cuDNN is installed, so
 without it the CUDA kernel is Triton.
 
 When the step is traced on a mesh with a `sequence` axis (context parallelism), every
-implementation runs as ring attention. On other meshes the Pallas kernels run per device
-(`per_device.py`); cuDNN and XLA are partitioned by GSPMD.
+implementation runs as ring attention, told by `sharding.zigzag.zigzag_ring()` whether the
+train step has put the sequence in its zig-zag order already. On other meshes the Pallas
+kernels run per device (`per_device.py`); cuDNN and XLA are partitioned by GSPMD.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from jaxtron.kernels.ring import ring_attention
 from jaxtron.kernels.splash import splash_attention
 from jaxtron.platforms import PLATFORMS, compute_dtype, cudnn_present, target_platform
 from jaxtron.sharding.rules import active_mesh
+from jaxtron.sharding.zigzag import zigzag_ring
 
 
 class AttentionImpl(str, enum.Enum):
@@ -123,11 +125,16 @@ def attention(q, k, v, *, causal: bool = True, segment_ids=None, impl="auto"):
     """q_BxLxHxK, k/v_BxSxGxK -> out_BxLxHxK (G divides H: grouped-query attention)."""
     impl = AttentionImpl(impl)
     mesh = active_mesh()
-    if mesh is not None and mesh.shape.get("sequence", 1) > 1:
+    ring = mesh.shape.get("sequence", 1) if mesh is not None else 1
+    ordered_for = zigzag_ring()  # a train step's sequence already in zig-zag order, for a ring
+    if ordered_for not in (None, ring):
+        raise ValueError(f"the sequence is in zig-zag order for a ring of {ordered_for}, but the "
+                         f"active mesh has sequence={ring}: trace the step on its own mesh.")
+    if ring > 1:
         if segment_ids is not None:
             raise ConfigError("packed segments are not supported with context parallelism; "
                               "set mesh.sequence=1 or train on unpacked windows.")
-        return ring_attention(q, k, v, mesh=mesh, causal=causal)
+        return ring_attention(q, k, v, mesh=mesh, causal=causal, zigzag=ordered_for == ring)
     # JAX's cuDNN mask is top-left aligned; with fewer queries than keys every other kernel
     # aligns bottom-right, so such calls do not go to cuDNN (as with packed segments).
     unaligned = causal and q.shape[1] != k.shape[1]

@@ -26,6 +26,11 @@ ATTENTION_RESIDUALS, so `remat: save_dots` keeps them instead of running the rin
 
 Only the `sequence` axis is manual inside the shard_map: batch and heads stay sharded by GSPMD
 over data, fsdp and tensor.
+
+Inputs in natural order are put in zig-zag order on entry and the output back on exit: four
+permutations across the ring in every layer. A train step avoids them by putting its tokens,
+targets and positions in zig-zag order once (`jaxtron.sharding.zigzag`); attention then passes
+`zigzag=True` and nothing is permuted here.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, PartitionSpec
 
 from jaxtron.kernels.blockwise import ATTENTION_LSE, ATTENTION_OUT
+from jaxtron.sharding.zigzag import from_zigzag, to_zigzag
 
 AXIS = "sequence"
 NEG = float(jnp.finfo(jnp.float32).min)  # finite: exp(NEG - NEG) is 1, never NaN
@@ -47,23 +53,6 @@ NEG = float(jnp.finfo(jnp.float32).min)  # finite: exp(NEG - NEG) is 1, never Na
 # probabilities and their gradient, in the backward) grow linearly with the local length.
 TILE_PAIRS = 2 ** 16
 MIN_KEY_TILE = 128
-
-
-def to_zigzag(x_BxL, n: int):
-    """Reorder axis 1 so that consecutive blocks of 2c hold chunks (i, 2n-1-i)."""
-    b, length, rest = x_BxL.shape[0], x_BxL.shape[1], x_BxL.shape[2:]
-    c = length // (2 * n)
-    halves = x_BxL.reshape(b, 2, n, c, *rest)
-    paired = jnp.stack([halves[:, 0], jnp.flip(halves[:, 1], axis=1)], axis=2)
-    return paired.reshape(b, length, *rest)
-
-
-def from_zigzag(x_BxL, n: int):
-    b, length, rest = x_BxL.shape[0], x_BxL.shape[1], x_BxL.shape[2:]
-    c = length // (2 * n)
-    paired = x_BxL.reshape(b, n, 2, c, *rest)
-    halves = jnp.concatenate([paired[:, :, 0], jnp.flip(paired[:, :, 1], axis=1)], axis=1)
-    return halves.reshape(b, length, *rest)
 
 
 def key_tile(rows: int, keys: int) -> int:
@@ -287,8 +276,10 @@ def _ring_fwd(q, k, v, n: int, causal: bool):
 _ring.defvjp(_ring_fwd, _backward)
 
 
-def ring_attention(q, k, v, *, mesh: Mesh, causal: bool = True):
-    """q_BxLxHxK, k/v_BxLxGxK, sequence-sharded over `mesh`'s `sequence` axis."""
+def ring_attention(q, k, v, *, mesh: Mesh, causal: bool = True, zigzag: bool = False):
+    """q_BxLxHxK, k/v_BxLxGxK, sequence-sharded over `mesh`'s `sequence` axis. `zigzag`: the
+    sequence axis of q, k and v is already in zig-zag order for this ring, and the output is
+    returned in that order."""
     n = mesh.shape[AXIS]
     if q.shape[1] % (2 * n):
         raise ValueError(f"ring attention needs the sequence length {q.shape[1]} to be a "
@@ -296,4 +287,6 @@ def ring_attention(q, k, v, *, mesh: Mesh, causal: bool = True):
     spec = PartitionSpec(None, AXIS)
     body = jax.shard_map(functools.partial(_ring, n=n, causal=causal), mesh=mesh,
                          in_specs=(spec, spec, spec), out_specs=spec, axis_names={AXIS})
+    if zigzag:
+        return body(q, k, v)
     return from_zigzag(body(to_zigzag(q, n), to_zigzag(k, n), to_zigzag(v, n)), n)

@@ -26,11 +26,11 @@ class Block(nnx.Module):
         self.mlp = MoE(cfg, moe, rngs) if moe is not None else MLP(cfg, rngs)
         self.is_moe = moe is not None
 
-    def __call__(self, x_BxLxD, positions_L):
+    def __call__(self, x_BxLxD, positions_L=None):
         x_BxLxD = constrain(x_BxLxD, ("batch", "residual_seq", "embed"))
         x_BxLxD = x_BxLxD + self.attn(self.attn_norm(x_BxLxD), positions_L)
         if self.is_moe:
-            y_BxLxD, stats = self.mlp(self.mlp_norm(x_BxLxD))
+            y_BxLxD, stats = self.mlp(self.mlp_norm(x_BxLxD), positions_L)
         else:
             y_BxLxD = self.mlp(self.mlp_norm(x_BxLxD))
             stats = {name: jnp.zeros((), jnp.float32) for name in MOE_STATS}
@@ -45,7 +45,7 @@ class BlockGroup(nnx.Module):
         self.dense = nnx.data([Block(cfg, rngs) for _ in range(moe.every - 1)])
         self.sparse = Block(cfg, rngs, moe)
 
-    def __call__(self, x_BxLxD, positions_L):
+    def __call__(self, x_BxLxD, positions_L=None):
         for block in self.dense:
             x_BxLxD, _ = block(x_BxLxD, positions_L)
         return self.sparse(x_BxLxD, positions_L)

@@ -114,7 +114,11 @@ class Attention(nnx.Module):
             out_BxLxD += self.bo[...].astype(dt)
         return out_BxLxD
 
-    def __call__(self, x_BxLxD, positions_L):
+    def __call__(self, x_BxLxD, positions_L=None):
+        """`positions_L`: each token's position (None: 0..L-1). Only RoPE reads it; the
+        causal mask is the kernel's (see `jaxtron.sharding.zigzag` for a reordered sequence)."""
+        if positions_L is None:
+            positions_L = jnp.arange(x_BxLxD.shape[1])
         q_BxLxHxK, k_BxLxGxK, v_BxLxGxK = self.project_qkv(x_BxLxD, positions_L)
         q_BxLxHxK = constrain(q_BxLxHxK, ("batch", "seq", "heads", "head_dim"))
         k_BxLxGxK = constrain(k_BxLxGxK, ("batch", "seq", "kv_heads", "head_dim"))

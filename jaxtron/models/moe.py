@@ -81,11 +81,17 @@ def capacity(seq_len: int, top_k: int, num_experts: int, factor: float) -> int:
     return max(1, math.ceil(factor * seq_len * top_k / num_experts))
 
 
-def capacity_slots(experts_BxLxK, num_experts: int, slots: int):
+def capacity_slots(experts_BxLxK, num_experts: int, slots: int, positions_L=None):
     """Slot of every assignment in its expert's buffer and whether it fits.
 
-    Priority: choice rank first, then position (GShard). Returns (slot_BxLxK, keep_BxLxK).
+    Priority: choice rank first, then position (GShard): the index along L, or `positions_L`
+    when the sequence comes reordered. Returns (slot_BxLxK, keep_BxLxK).
     """
+    if positions_L is not None:  # claim slots in position order, report them in array order
+        order_L = jnp.argsort(positions_L)
+        slot, keep = capacity_slots(experts_BxLxK[:, order_L], num_experts, slots)
+        back_L = jnp.argsort(order_L)
+        return slot[:, back_L], keep[:, back_L]
     b, length, k = experts_BxLxK.shape
     onehot_BxKLxE = jax.nn.one_hot(experts_BxLxK.transpose(0, 2, 1).reshape(b, k * length),
                                    num_experts, dtype=jnp.int32)
@@ -124,8 +130,9 @@ class MoE(nnx.Module):
                                     "mlp_dim": moe.shared_experts * f})
             self.shared = MLP(shared, rngs)
 
-    def __call__(self, x_BxLxD):
-        """-> (y_BxLxD, aux) with aux the layer's load-balancing loss, z-loss and statistics."""
+    def __call__(self, x_BxLxD, positions_L=None):
+        """-> (y_BxLxD, aux) with aux the layer's load-balancing loss, z-loss and statistics.
+        `positions_L` (None: 0..L-1) orders the capacity mode's claims on slots."""
         moe, dt = self.moe, x_BxLxD.dtype
         b, length, _ = x_BxLxD.shape
         logits_BxLxE = jnp.einsum("bld,de->ble", x_BxLxD.astype(jnp.float32),
@@ -138,10 +145,12 @@ class MoE(nnx.Module):
             y_BxLxD = self._dropless(x_BxLxD, weights_BxLxK, experts_BxLxK, weights)
             kept = jnp.ones(experts_BxLxK.shape, bool)
         else:
-            slots = (length if moe.mode == "dropless" else
+            dropless = moe.mode == "dropless"  # one slot per position: order cannot matter
+            slots = (length if dropless else
                      capacity(length, moe.top_k, moe.num_experts, moe.capacity_factor))
             y_BxLxD, kept = self._with_capacity(x_BxLxD, weights_BxLxK, experts_BxLxK,
-                                                weights, slots)
+                                                None if dropless else positions_L, weights,
+                                                slots)
         if moe.shared_experts:
             y_BxLxD = y_BxLxD + self.shared(x_BxLxD)
         aux = {"balance": balance, "z": z_loss(logits_BxLxE),
@@ -149,9 +158,10 @@ class MoE(nnx.Module):
                "max_load": jnp.max(fraction_E) * moe.num_experts}
         return y_BxLxD, aux
 
-    def _with_capacity(self, x_BxLxD, weights_BxLxK, experts_BxLxK, weights, slots):
+    def _with_capacity(self, x_BxLxD, weights_BxLxK, experts_BxLxK, positions_L, weights,
+                       slots):
         e = self.moe.num_experts
-        slot_BxLxK, keep_BxLxK = capacity_slots(experts_BxLxK, e, slots)
+        slot_BxLxK, keep_BxLxK = capacity_slots(experts_BxLxK, e, slots, positions_L)
         dispatch = (jax.nn.one_hot(experts_BxLxK, e, dtype=x_BxLxD.dtype)[..., None] *
                     jax.nn.one_hot(jnp.where(keep_BxLxK, slot_BxLxK, slots), slots,
                                    dtype=x_BxLxD.dtype)[..., None, :])

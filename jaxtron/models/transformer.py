@@ -9,6 +9,11 @@ work.
 
 Llama: RMSNorm, RoPE, SwiGLU, grouped-query attention, untied embeddings (Touvron et al. 2023).
 GPT-2: LayerNorm, learned positions, GELU, tied embeddings (Radford et al. 2019).
+
+Tokens may come with explicit positions (`positions_L`, a permutation of 0..L-1; default: in
+order), for a caller that reorders the sequence: RoPE, learned positions and the MoE capacity
+priority follow them, attention's causal mask follows the kernel. Context parallelism uses this
+to put the sequence in its ring's zig-zag order once per step (`jaxtron.sharding.zigzag`).
 """
 
 from __future__ import annotations
@@ -45,14 +50,16 @@ class Embedder(nnx.Module):
             self.pos_embed = param(rngs, normal(cfg.init_std), (cfg.max_seq_len, cfg.d_model),
                                    (None, "embed"), cfg.param_dtype)
 
-    def __call__(self, tokens_BxL):
+    def __call__(self, tokens_BxL, positions_L=None):
         dt = jnp.dtype(self.cfg.compute_dtype)
         # In the compute layout (activation rules) the table is split by vocabulary only: a
         # vocab-parallel lookup whose partial rows are summed across the tensor axis.
         table_VxD = constrain(self.embed[...], ("vocab", "embed"))
         x_BxLxD = jnp.take(table_VxD, tokens_BxL, axis=0).astype(dt)
         if self.cfg.type == "gpt2":
-            x_BxLxD = x_BxLxD + self.pos_embed[:tokens_BxL.shape[1]].astype(dt)
+            pos_LxD = (self.pos_embed[:tokens_BxL.shape[1]] if positions_L is None
+                       else jnp.take(self.pos_embed[...], positions_L, axis=0))
+            x_BxLxD = x_BxLxD + pos_LxD.astype(dt)
         return constrain(x_BxLxD, ("batch", "residual_seq", "embed"))
 
 
@@ -97,10 +104,10 @@ def make_blocks(cfg: ModelConfig, rngs: nnx.Rngs, moe: MoEConfig | None = None) 
     return create(rngs)
 
 
-def run_blocks(cfg: ModelConfig, graphdef, stacked, x_BxLxD, active_N=None):
+def run_blocks(cfg: ModelConfig, graphdef, stacked, x_BxLxD, active_N=None, positions_L=None):
     """Apply stacked units in order -> (x, summed MoE statistics). Where `active_N` is False a
-    unit is the identity (padding in uneven pipeline splits)."""
-    positions_L = jnp.arange(x_BxLxD.shape[1])
+    unit is the identity (padding in uneven pipeline splits). `positions_L`: see the module
+    docstring (None: 0..L-1)."""
 
     def body(carry, layer):
         x, stats = carry
@@ -130,25 +137,26 @@ class Transformer(nnx.Module):
         self.blocks = make_blocks(cfg, rngs, self.moe)
         self.head = Head(cfg, rngs)
 
-    def __call__(self, tokens_BxL):
+    def __call__(self, tokens_BxL, positions_L=None):
         """Token ids -> logits_BxLxV in the compute dtype."""
-        return self.forward(tokens_BxL)[0]
+        return self.forward(tokens_BxL, positions_L)[0]
 
-    def forward(self, tokens_BxL):
+    def forward(self, tokens_BxL, positions_L=None):
         """-> (logits_BxLxV, aux): aux holds the MoE statistics averaged over MoE layers and
         `weighted_terms`, the auxiliary losses to add to the training objective."""
-        x_BxLxD, aux = self._trunk(tokens_BxL)
+        x_BxLxD, aux = self._trunk(tokens_BxL, positions_L)
         return self.head(x_BxLxD, self.embedder.embed[...]), aux
 
-    def loss(self, tokens_BxL, targets_BxL):
+    def loss(self, tokens_BxL, targets_BxL, positions_L=None):
         """-> (mean next-token loss, aux) without returning logits (see Head.loss)."""
-        x_BxLxD, aux = self._trunk(tokens_BxL)
+        x_BxLxD, aux = self._trunk(tokens_BxL, positions_L)
         return self.head.loss(x_BxLxD, targets_BxL, self.embedder.embed[...]), aux
 
-    def _trunk(self, tokens_BxL):
-        x_BxLxD = self.embedder(tokens_BxL)
+    def _trunk(self, tokens_BxL, positions_L):
+        x_BxLxD = self.embedder(tokens_BxL, positions_L)
         graphdef, stacked = nnx.split(self.blocks)
-        x_BxLxD, stats = run_blocks(self.cfg, graphdef, stacked, x_BxLxD)
+        x_BxLxD, stats = run_blocks(self.cfg, graphdef, stacked, x_BxLxD,
+                                    positions_L=positions_L)
         if self.moe is None:
             return x_BxLxD, {}
         moe_layers = self.cfg.num_layers // self.moe.every
