@@ -52,17 +52,6 @@ def plain_grads(loss_fn) -> GradFn:
     return jax.value_and_grad(loss_fn, has_aux=True)
 
 
-def sharded_grads(grad_fn: GradFn, shardings) -> GradFn:
-    """ZeRO-2 where the data axis cannot be made manual (with context parallelism): gradients
-    constrained to the optimizer-state sharding as soon as they exist, left to XLA to reduce."""
-
-    def fn(params, tokens):
-        out, grads = grad_fn(params, tokens)
-        return out, jax.lax.with_sharding_constraint(grads, shardings)
-
-    return fn
-
-
 def accumulated_grads(grad_fn: GradFn, microbatches: int) -> GradFn:
     """Mean loss and gradients over `microbatches` equal slices of the batch, one at a time.
 

@@ -31,7 +31,7 @@ from jaxtron.sharding.rules import (activation_rules, activation_sharding, check
                                     optimizer_rules, param_rules, spec_for, variable_shardings)
 from jaxtron.sharding.data_parallel import reduce_once
 from jaxtron.step import (TrainState, accumulated_grads, make_eval_step, make_loss_fn,
-                          make_train_step, plain_grads, sharded_grads)
+                          make_train_step, plain_grads)
 
 
 class Trainer:
@@ -84,9 +84,6 @@ class Trainer:
         if c.optim.grad_accum > 1:
             grad_fn = accumulated_grads(grad_fn, c.optim.grad_accum)
         zero2 = c.optim.zero_stage >= 2
-        if self.mesh.shape["sequence"] > 1:  # ring attention's shard_map is not nested yet
-            return sharded_grads(grad_fn, variable_shardings(
-                abstract.params, optimizer_rules(c), self.mesh)) if zero2 else grad_fn
         if self.mesh.shape["data"] > 1 and (zero2 or c.optim.grad_accum > 1):
             scatter_like = (variable_shardings(abstract.params, optimizer_rules(c), self.mesh)
                             if zero2 else None)

@@ -44,6 +44,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, PartitionSpec
 
 from jaxtron.kernels.blockwise import ATTENTION_LSE, ATTENTION_OUT
+from jaxtron.sharding.rules import shard_map_mesh
 from jaxtron.sharding.zigzag import from_zigzag, to_zigzag
 
 AXIS = "sequence"
@@ -285,7 +286,7 @@ def ring_attention(q, k, v, *, mesh: Mesh, causal: bool = True, zigzag: bool = F
         raise ValueError(f"ring attention needs the sequence length {q.shape[1]} to be a "
                          f"multiple of 2 x mesh.sequence = {2 * n} (zig-zag chunks).")
     spec = PartitionSpec(None, AXIS)
-    body = jax.shard_map(functools.partial(_ring, n=n, causal=causal), mesh=mesh,
+    body = jax.shard_map(functools.partial(_ring, n=n, causal=causal), mesh=shard_map_mesh(mesh),
                          in_specs=(spec, spec, spec), out_specs=spec, axis_names={AXIS})
     if zigzag:
         return body(q, k, v)

@@ -24,7 +24,9 @@ the output and a log-sum-exp per row), ring attention (a `sequence` axis) includ
 `remat: full` keeps only each block's input (D / r); `save_dots` keeps the matmul outputs. The
 backward of a block needs 1-2 blocks' worth of working memory on top: the activations it
 consumes (kept or recomputed) and their gradients, as the intercept of XLA's memory against
-depth shows (BACKWARD_WORKING_BLOCKS). A pipeline rank keeps its stage input for each
+depth shows (BACKWARD_WORKING_BLOCKS), one more under `remat: full`, whose backward holds a
+block's recomputed activations beside their gradients; FSDP adds the weights of two blocks,
+gathered for the forward and for the backward. A pipeline rank keeps its stage input for each
 microbatch in flight and re-runs the stage from it in the backward, so it holds one stage's
 activations at a time, and the embedding and head whole (gathered from their stage slices).
 The loss adds fp32 logits and their gradient, [tokens, V / t], or one chunk of them with the
@@ -89,6 +91,15 @@ def _sharded_elements(shape, names, rules, degrees, stage: int) -> float:
     return count
 
 
+def gathered_block_bytes(config: Config, layout: Layout) -> float:
+    """Bytes of one block's weights as FSDP gathers them (split by tensor and expert only)."""
+    degrees, rules = {**layout.degrees(), "fsdp": 1}, param_rules(config)
+    total = sum(itemsize * _sharded_elements(shape, names, rules, degrees, 1)
+                for shape, names, itemsize in _parameter_shapes((config.model, config.moe))
+                if "layers" in names)
+    return total / config.model.num_layers
+
+
 def end_bytes(config: Config, layout: Layout) -> int:
     """Bytes on one device of the parameters outside the layer stack (embedding, head, final
     norm) as the mesh splits them, before a pipeline splits them over its stages."""
@@ -112,7 +123,10 @@ def state_bytes(config: Config, layout: Layout) -> tuple[int, int, int]:
     c = _with_layout(config, layout)
     degrees = layout.degrees()
     prules, orules = param_rules(c), optimizer_rules(c)
-    grules = dict(orules) if layout.zero_stage >= 2 else prules
+    # ZeRO-2 reduce-scatters this rank's whole gradient once per step (as Megatron-LM's
+    # distributed optimizer does): until then the rank holds all of it; with one data rank
+    # there is nothing to scatter over and the optimizer rules change nothing.
+    grules = prules
     params = moments = grads = 0.0
     for shape, names, itemsize in _parameter_shapes((config.model, config.moe)):
         params += itemsize * _sharded_elements(shape, names, prules, degrees, layout.stage)
@@ -125,8 +139,8 @@ def state_bytes(config: Config, layout: Layout) -> tuple[int, int, int]:
 
 # A block's backward holds its activations and the gradients flowing through them at once.
 # XLA's memory at 4 and 8 layers, extrapolated to 0 layers, exceeds the rest of the prediction
-# by one to two blocks' activations (about 1 with tensor=4, 2 with data=8 or fsdp=8; D = 128):
-# a measured constant that splits the difference.
+# by one to two blocks' activations (about 1 with tensor=4, 2 with data=8; D = 128): a
+# measured constant that splits the difference.
 BACKWARD_WORKING_BLOCKS = 1.5
 
 
@@ -173,7 +187,10 @@ def predict(config: Config, layout: Layout) -> Memory:
     e = np.dtype(m.compute_dtype).itemsize
     tokens = microbatch_sequences(config, layout) * config.data.seq_len // layout.sequence
     layers = math.ceil(m.num_layers / layout.stage)
-    working = BACKWARD_WORKING_BLOCKS * layer_activation_bytes(config, layout, tokens, "none")
+    blocks = BACKWARD_WORKING_BLOCKS + (1 if layout.remat == "full" else 0)
+    working = blocks * layer_activation_bytes(config, layout, tokens, "none")
+    if layout.fsdp > 1:  # one block's weights gathered for the forward, one for the backward
+        working += 2 * gathered_block_bytes(config, layout)
     kept = layer_activation_bytes(config, layout, tokens, layout.remat)
     if layout.stage > 1:
         in_flight = (layout.microbatches if layout.schedule == "gpipe"

@@ -33,13 +33,15 @@ microbatches) per step.
               and back (all-to-all, twice) and their gradients in the backward (twice). The
               experts' weights are gathered over fsdp once per pass (the expert shard_map keeps
               them for the backward) and reduced over data alone.
-    sequence  ring attention passes k and v round the ring, forward and twice backward
+    sequence  per pass and layer, ring attention sends k and v on n-1 hops forward and n-1
+              backward (compute dtype), and the fp32 dk/dv on n hops; the weights' gradients
+              are reduced over sequence like over data
     stage     per schedule tick, the stage output forward and its gradient backward (idle
               ranks send zeros), 2 A; per pass the embedding and head slices to the ranks that
               use them, (p-1)/p^2 of each table, and their gradients back once per step
 
 `python -m jaxtron.planner.validate` sets these beside the counted bytes; data, fsdp, tensor,
-expert and stage are within 10% on its matrix; sequence (ring attention) is not yet checked.
+expert, sequence and stage are within 10% on its matrix.
 """
 
 from __future__ import annotations
@@ -73,21 +75,29 @@ def communication(config: Config, layout: Layout, platform: str = "gpu") -> dict
                        reduce_scatter=platform != "cpu", gathers=1)
     out["tensor"] = _tensor(config, layout, separate_sums=platform == "cpu") * passes
     out["expert"] += _expert(config, layout) * passes
-    out["sequence"] = _sequence(config, layout) * passes
+    out["sequence"] += _sequence(config, layout) * passes
     per_pass, per_step = _stage(config, layout)  # a pass here: the schedule's whole table
     out["stage"] = per_pass * layout.grad_accum + per_step
     return out
 
 
 def _sequence(config: Config, layout: Layout) -> float:
-    """Per pass: ring attention passes k and v round the ring forward and twice backward (not
-    yet checked against the counter: see docs/parallelism.md)."""
+    """Per pass: ring attention (`kernels/ring.py`) sends the k/v block on n-1 hops forward and
+    again in the backward, with the fp32 dk/dv accumulators travelling n hops (also under
+    `remat: full`: the recomputed block takes the ring's saved output and log-sum-exp, as
+    the counter shows)."""
+    n = layout.sequence
+    if n == 1:
+        return 0.0
     m = config.model
     e = np.dtype(m.compute_dtype).itemsize
-    tokens = microbatch_sequences(config, layout) * config.data.seq_len // layout.sequence
+    tokens = microbatch_sequences(config, layout) * config.data.seq_len // n
     layers = math.ceil(m.num_layers / layout.stage)
-    kv = e * tokens * m.kv_heads * m.resolved_head_dim * 2
-    return 3 * (layout.sequence - 1) * kv * layers
+    heads = m.kv_heads // layout.tensor if m.kv_heads % layout.tensor == 0 else m.kv_heads
+    kv = 2 * tokens * heads * m.resolved_head_dim  # k and v elements of this device's block
+    forward = (n - 1) * e * kv
+    backward = (n - 1) * e * kv + n * 4 * kv
+    return (forward + backward) * layers
 
 
 def _stage(config: Config, layout: Layout) -> tuple[float, float]:
@@ -114,17 +124,20 @@ def _stage(config: Config, layout: Layout) -> tuple[float, float]:
 
 def _data_and_fsdp(out, layout: Layout, grads: float, passes: int, reduce_scatter: bool,
                    gathers: int = 2):
-    """Gradients replicated over data, fsdp and expert (outside the experts, expert ranks are
-    data-parallel ranks: their reduction spans data x expert, booked to data, or to expert
-    alone without data parallelism). `gathers`: fsdp all-gathers of the weights per pass; the
+    """Gradients replicated over data, fsdp, expert and sequence (outside the experts, expert
+    ranks are data-parallel ranks: the reduction spans data x expert, booked to data, or expert
+    alone in each pass when data is manual or absent; over sequence XLA reduces in each pass,
+    apart from data). `gathers`: fsdp all-gathers of the weights per pass; the
     experts' weights are gathered once, kept by the expert shard_map for its backward."""
-    n, f, x = layout.data, layout.fsdp, layout.expert
+    n, f = layout.data, layout.fsdp
     manual_data = n > 1 and (layout.grad_accum > 1 or layout.zero_stage >= 2)
-    if x > 1:
+    if layout.sequence > 1:  # XLA reduces over sequence in each pass, apart from data
+        out["sequence"] += 2 * ring(layout.sequence) * grads * passes
+    if layout.expert > 1:
         if n == 1 or manual_data:  # reduced over expert in each pass, apart from data
-            out["expert"] += 2 * ring(x) * grads * passes
+            out["expert"] += 2 * ring(layout.expert) * grads * passes
         else:
-            n *= x
+            n *= layout.expert
     gathered = grads * f
     if f > 1:
         out["fsdp"] += gathers * ring(f) * gathered * passes  # weights for forward, backward

@@ -45,11 +45,10 @@ def _scatter_dim(sharding: NamedSharding) -> int | None:
     return None
 
 
-def _scatter(mesh: Mesh, param_shardings, optimizer_shardings):
-    """unreduced[n, *shape] per leaf (n = data ranks) -> the sum over ranks, each rank keeping
+def _manual_scatter(mesh: Mesh, params: list, moments: list):
+    """unreduced[n, *shape] leaves (n = data ranks) -> the sum over ranks, each rank keeping
     its optimizer shard: a fully manual shard_map, so every device reduce-scatters only its own
     (fsdp, tensor) block."""
-    params, moments = _leaves(param_shardings), _leaves(optimizer_shardings)
     dims = [_scatter_dim(s) for s in moments]
 
     def body(*grads):
@@ -57,43 +56,68 @@ def _scatter(mesh: Mesh, param_shardings, optimizer_shardings):
                      jax.lax.psum_scatter(g[0], AXIS, scatter_dimension=dim, tiled=True)
                      for g, dim in zip(grads, dims))
 
-    in_specs = tuple(PartitionSpec(AXIS, *s.spec) for s in params)
-    out_specs = tuple(s.spec for s in moments)
-    mapped = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                           check_vma=False)
+    return jax.shard_map(body, mesh=mesh, in_specs=tuple(PartitionSpec(AXIS, *s.spec)
+                                                         for s in params),
+                         out_specs=tuple(s.spec for s in moments), check_vma=False)
 
-    def scatter(unreduced):
-        leaves, treedef = jax.tree.flatten(unreduced)
-        return treedef.unflatten(list(mapped(*leaves)))
 
-    return scatter
+def _split_by_mesh(param: NamedSharding) -> bool:
+    """Whether other mesh axes split this parameter (so its gradient does too)."""
+    return any(entry is not None for entry in param.spec)
 
 
 def reduce_once(grad_fn, mesh: Mesh, param_shardings, optimizer_shardings=None):
     """grad_fn(params, tokens) -> ((objective, metrics), grads) run per data-parallel rank on
     its rows, reduced over `data` once. With `optimizer_shardings` (ZeRO-2) the gradients come
-    back reduce-scattered like them."""
+    back reduce-scattered like them: a gradient no other axis splits is scattered right where
+    it is summed; one split over fsdp or tensor leaves the data-manual region unreduced, one
+    [1, ...] block per rank, and is scattered in a fully manual shard_map."""
     n = mesh.shape[AXIS]
-    scatter = (None if optimizer_shardings is None else
-               _scatter(mesh, param_shardings, optimizer_shardings))
+    if optimizer_shardings is None:
+        plans = None
+    else:
+        params, moments = _leaves(param_shardings), _leaves(optimizer_shardings)
+        plans = [("all",) if _scatter_dim(o) is None else
+                 ("manual",) if _split_by_mesh(p) else ("here", _scatter_dim(o))
+                 for p, o in zip(params, moments)]
+        manual = [i for i, plan in enumerate(plans) if plan[0] == "manual"]
+        scatter = _manual_scatter(mesh, [params[i] for i in manual], [moments[i] for i in manual])
+
+    def reduce(g, plan):
+        if plan[0] == "all":
+            return jax.lax.psum(g, AXIS) / n
+        if plan[0] == "here":
+            return jax.lax.psum_scatter(g, AXIS, scatter_dimension=plan[1], tiled=True) / n
+        return g[None]  # unreduced: scattered outside
+
+    def out_spec(plan):
+        if plan[0] == "here":
+            return PartitionSpec(*([None] * plan[1]), AXIS)
+        return PartitionSpec(AXIS) if plan[0] == "manual" else PartitionSpec()
 
     def body(params, tokens):
         with without_mesh_axis(AXIS):
             (objective, metrics), grads = grad_fn(params, tokens)
         objective, metrics = jax.lax.pmean((objective, metrics), AXIS)
-        if scatter is None:
-            return (objective, metrics), jax.lax.psum(grads, AXIS)
-        return (objective, metrics), jax.tree.map(lambda g: g[None], grads)  # unreduced
-
-    grads_spec = PartitionSpec() if scatter is None else PartitionSpec(AXIS)
-    mapped = jax.shard_map(body, mesh=mesh, axis_names={AXIS},
-                           in_specs=(PartitionSpec(), PartitionSpec(AXIS)),
-                           out_specs=(PartitionSpec(), grads_spec), check_vma=False)
+        if plans is None:
+            return (objective, metrics), jax.tree.map(lambda g: g / n,
+                                                      jax.lax.psum(grads, AXIS))
+        leaves, treedef = jax.tree.flatten(grads)
+        return (objective, metrics), treedef.unflatten(
+            [reduce(g, plan) for g, plan in zip(leaves, plans, strict=True)])
 
     def fn(params, tokens):
+        specs = (PartitionSpec() if plans is None else
+                 jax.tree.structure(params).unflatten([out_spec(p) for p in plans]))
+        mapped = jax.shard_map(body, mesh=mesh, axis_names={AXIS},
+                               in_specs=(PartitionSpec(), PartitionSpec(AXIS)),
+                               out_specs=(PartitionSpec(), specs), check_vma=False)
         out, grads = mapped(params, tokens)
-        if scatter is not None:
-            grads = scatter(grads)
-        return out, jax.tree.map(lambda g: g / n, grads)
+        if plans is None or not manual:
+            return out, grads
+        leaves, treedef = jax.tree.flatten(grads)
+        scattered = iter(scatter(*[leaves[i] for i in manual]))
+        leaves = [next(scattered) / n if i in manual else g for i, g in enumerate(leaves)]
+        return out, treedef.unflatten(leaves)
 
     return fn
