@@ -47,6 +47,7 @@ expert, sequence and stage are within 10% on its matrix.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import numpy as np
@@ -100,6 +101,14 @@ def _sequence(config: Config, layout: Layout) -> float:
     return (forward + backward) * layers
 
 
+@functools.lru_cache(maxsize=4096)
+def schedule_ticks(schedule: str, stages: int, microbatches: int, virtual: int) -> int:
+    """Ticks of the schedule's table (built once per shape: the planner asks for thousands)."""
+    from jaxtron.pipeline.schedule import build_table
+
+    return build_table(schedule, stages, microbatches, virtual).ticks
+
+
 def _stage(config: Config, layout: Layout) -> tuple[float, float]:
     """(bytes per run of the schedule, bytes per step) over `stage`. Every tick of the schedule each rank sends
     its forward output on and its input gradient back (idle ranks send zeros of the same
@@ -109,12 +118,10 @@ def _stage(config: Config, layout: Layout) -> tuple[float, float]:
     p = layout.stage
     if p == 1:
         return 0.0, 0.0
-    from jaxtron.pipeline.schedule import build_table
-
     m = config.model
     e = np.dtype(m.compute_dtype).itemsize
     tokens = microbatch_sequences(config, layout) * config.data.seq_len // layout.sequence
-    ticks = build_table(layout.schedule, p, layout.microbatches, layout.virtual_stages).ticks
+    ticks = schedule_ticks(layout.schedule, p, layout.microbatches, layout.virtual_stages)
     per_pass = 2 * ticks * e * tokens * m.d_model
     ends = end_bytes(config, layout)  # per device, before the split over stages
     ends *= 2 if m.tied_embeddings else 1  # the one table goes to both ends
