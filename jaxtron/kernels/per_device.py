@@ -19,7 +19,7 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
 from jaxtron.errors import ConfigError
-from jaxtron.sharding.rules import active_spec
+from jaxtron.sharding.rules import active_spec, manual_axes, shard_map_mesh
 
 
 def _axes(entry) -> tuple[str, ...]:
@@ -60,10 +60,8 @@ def per_device(kernel, q, k, v, segment_ids, mesh: Mesh):
     # manual already: map over the rest of it, so the kernel sits in a fully manual region.
     # check_vma=False because pallas_call's output types carry no varying-axes annotation;
     # shard_map then transposes the replicated kv heads' cotangents with a psum over tensor.
-    context = jax.sharding.get_abstract_mesh()
-    outer = set(context.manual_axes) if not context.empty else set()
     seg_spec = None if segment_ids is None else PartitionSpec(q_spec[0])
-    mapped = jax.shard_map(local, mesh=context if not context.empty else mesh,
+    mapped = jax.shard_map(local, mesh=shard_map_mesh(mesh),
                            in_specs=(q_spec, kv_spec, kv_spec, seg_spec), out_specs=q_spec,
-                           axis_names=set(mesh.axis_names) - outer, check_vma=False)
+                           axis_names=set(mesh.axis_names) - manual_axes(), check_vma=False)
     return mapped(q, k, v, segment_ids)

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from jaxtron.pipeline.schedule import Table
-from jaxtron.sharding.rules import without_mesh_axis
+from jaxtron.sharding.rules import manual_axes, shard_map_mesh, without_mesh_axis
 
 AXIS = "stage"
 REPLICA_AXES = ("data",)  # mesh axes over which parameters are replicated and the batch split
@@ -84,15 +84,13 @@ class _Plan:
     def replicas(self) -> tuple[str, ...]:
         """Replica axes to make manual: those with more than one rank, unless an enclosing
         shard_map (a data-parallel gradient reduction) has made them manual already."""
-        context = jax.sharding.get_abstract_mesh()
-        outer = set(context.manual_axes) if not context.empty else set()
+        outer = manual_axes()
         return tuple(a for a in REPLICA_AXES if self.mesh.shape.get(a, 1) > 1 and a not in outer)
 
     def shard_map(self, body, replicas, out_specs):
-        context = jax.sharding.get_abstract_mesh()
         batch = PartitionSpec(None, replicas or None)  # [M, B, T]: rows split over replicas
         staged = PartitionSpec(AXIS)
-        return jax.shard_map(body, mesh=context if not context.empty else self.mesh,
+        return jax.shard_map(body, mesh=shard_map_mesh(self.mesh),
                              axis_names={AXIS, *replicas}, check_vma=False,
                              in_specs=(staged, staged, staged, staged, staged, batch, batch),
                              out_specs=out_specs)

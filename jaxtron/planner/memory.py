@@ -180,12 +180,17 @@ def microbatch_sequences(config: Config, layout: Layout) -> int:
                                        * (layout.microbatches if layout.stage > 1 else 1))
 
 
+def microbatch_tokens(config: Config, layout: Layout) -> int:
+    """Tokens of one microbatch on one device (its sequence shard)."""
+    return microbatch_sequences(config, layout) * config.data.seq_len // layout.sequence
+
+
 def predict(config: Config, layout: Layout) -> Memory:
     """Per-device bytes of `config` run under `layout`."""
     params, moments, grads = state_bytes(config, layout)
     m = config.model
     e = np.dtype(m.compute_dtype).itemsize
-    tokens = microbatch_sequences(config, layout) * config.data.seq_len // layout.sequence
+    tokens = microbatch_tokens(config, layout)
     layers = math.ceil(m.num_layers / layout.stage)
     blocks = BACKWARD_WORKING_BLOCKS + (1 if layout.remat == "full" else 0)
     working = blocks * layer_activation_bytes(config, layout, tokens, "none")

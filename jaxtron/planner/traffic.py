@@ -22,8 +22,9 @@ microbatches) per step.
               (gate, up) are summed separately, 5 for Llama (4 for GPT-2), +1 with
               `remat: full` (the forward again, but for the block output, which is kept).
               That is the count XLA:CPU compiles; for GPUs and TPUs, which this machine cannot
-              compile for, the prediction keeps Megatron's 2 backward (one per sublayer); the vocabulary-parallel embedding (forward)
-              and head (backward) add one each per pass. With kv heads replicated over tensor
+              compile for, the prediction keeps Megatron's 2 backward (one per sublayer).
+              The vocabulary-parallel embedding (forward) and head (backward) add one each
+              per pass. With kv heads replicated over tensor
               (fewer kv heads than ranks) k and v are not partial sums; their gradients are
               all-reduced over the r = t / G ranks that share a kv head instead, and the kv
               heads all-gathered for the backward. Sequence parallelism replaces each
@@ -55,7 +56,7 @@ import numpy as np
 from jaxtron.config import Config
 from jaxtron.planner.layout import Layout
 from jaxtron.planner.memory import (end_bytes, expert_gradient_bytes, microbatch_sequences,
-                                    state_bytes)
+                                    microbatch_tokens, state_bytes)
 
 AXES = ("stage", "data", "fsdp", "expert", "sequence", "tensor")
 
@@ -92,7 +93,7 @@ def _sequence(config: Config, layout: Layout) -> float:
         return 0.0
     m = config.model
     e = np.dtype(m.compute_dtype).itemsize
-    tokens = microbatch_sequences(config, layout) * config.data.seq_len // n
+    tokens = microbatch_tokens(config, layout)
     layers = math.ceil(m.num_layers / layout.stage)
     heads = m.kv_heads // layout.tensor if m.kv_heads % layout.tensor == 0 else m.kv_heads
     kv = 2 * tokens * heads * m.resolved_head_dim  # k and v elements of this device's block
@@ -110,17 +111,17 @@ def schedule_ticks(schedule: str, stages: int, microbatches: int, virtual: int) 
 
 
 def _stage(config: Config, layout: Layout) -> tuple[float, float]:
-    """(bytes per run of the schedule, bytes per step) over `stage`. Every tick of the schedule each rank sends
-    its forward output on and its input gradient back (idle ranks send zeros of the same
-    shape): 2 A per tick. The embedding and head are stored split over the p ranks: per pass
-    the p-1 other slices of each travel to the rank that uses it, (p-1)/p^2 of the table per
-    device, and their gradients go back once per step."""
+    """(bytes per run of the schedule, bytes per step) over `stage`. Every tick of the
+    schedule each rank sends its forward output on and its input gradient back (idle ranks
+    send zeros of the same shape): 2 A per tick. The embedding and head are stored split over
+    the p ranks: per pass the p-1 other slices of each travel to the rank that uses it,
+    (p-1)/p^2 of the table per device, and their gradients go back once per step."""
     p = layout.stage
     if p == 1:
         return 0.0, 0.0
     m = config.model
     e = np.dtype(m.compute_dtype).itemsize
-    tokens = microbatch_sequences(config, layout) * config.data.seq_len // layout.sequence
+    tokens = microbatch_tokens(config, layout)
     ticks = schedule_ticks(layout.schedule, p, layout.microbatches, layout.virtual_stages)
     per_pass = 2 * ticks * e * tokens * m.d_model
     ends = end_bytes(config, layout)  # per device, before the split over stages
@@ -172,7 +173,7 @@ def _tensor(config: Config, layout: Layout, separate_sums: bool) -> float:
         return 0.0
     m = config.model
     e = np.dtype(m.compute_dtype).itemsize
-    tokens = microbatch_sequences(config, layout) * config.data.seq_len // layout.sequence
+    tokens = microbatch_tokens(config, layout)
     activation = e * tokens * m.d_model
     layers = math.ceil(m.num_layers / layout.stage)
     replicated_kv = m.kv_heads % t != 0

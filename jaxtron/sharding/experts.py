@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from jaxtron.models.activations import swiglu
-from jaxtron.sharding.rules import active_mesh, active_spec, shard_map_mesh
+from jaxtron.sharding.rules import active_mesh, active_spec, manual_axes, shard_map_mesh
 
 AXIS = "expert"
 
@@ -52,10 +52,8 @@ def expert_ffn(x_BxExCxD, w_gate, w_up, w_down):
     rows = active_spec(("batch", None, None, None), x_BxExCxD.shape)
     entry = rows[0]
     batch_axes = set(() if entry is None else (entry,) if isinstance(entry, str) else entry)
-    context = jax.sharding.get_abstract_mesh()
-    already = set(context.manual_axes) if not context.empty else set()
     experts = PartitionSpec(AXIS)
     mapped = jax.shard_map(exchange, mesh=shard_map_mesh(mesh),
                            in_specs=(rows, experts, experts, experts), out_specs=rows,
-                           axis_names=(batch_axes | {AXIS}) - already)
+                           axis_names=(batch_axes | {AXIS}) - manual_axes())
     return mapped(x_BxExCxD, w_gate, w_up, w_down)

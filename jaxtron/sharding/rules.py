@@ -166,6 +166,12 @@ def active_mesh() -> Mesh | None:
     return active[0] if active else None
 
 
+def manual_axes() -> set[str]:
+    """Mesh axes an enclosing shard_map has made manual already (none outside one)."""
+    context = jax.sharding.get_abstract_mesh()
+    return set() if context.empty else set(context.manual_axes)
+
+
 def shard_map_mesh(mesh: Mesh):
     """The mesh to give a shard_map: inside another shard_map (the data-parallel reduction's
     over `data`, the pipeline's over `stage`) JAX wants the context mesh, whose axes record
