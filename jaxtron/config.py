@@ -28,6 +28,7 @@ def _f(default, help: str, choices: tuple | None = None):
 
 
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+PACKINGS = ("stream", "documents")
 REMAT_POLICIES = ("none", "full", "save_dots")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "pallas")
 MODEL_TYPES = ("llama", "gpt2")
@@ -167,12 +168,59 @@ class OptimConfig:
 
 
 @dataclass(frozen=True)
+class BlendSource:
+    path: str = _f("", "token dataset prefix of this source (or builtin:stdlib)")
+    weight: float = _f(1.0, "share of training rows drawn from it (weights are normalised)")
+    name: str | None = _f(None, "label of its held-out loss, eval_loss/<name> (default: the "
+                          "prefix's file name)")
+
+    @property
+    def label(self) -> str:
+        return self.name or self.path.rstrip("/").rsplit("/", 1)[-1].rsplit(":", 1)[-1]
+
+
+def parse_megatron_blend(text: str) -> tuple[BlendSource, ...]:
+    """Megatron's `--data-path 0.3 A 0.7 B` form (a lone prefix means weight 1)."""
+    words = text.split()
+    if len(words) == 1:
+        return (BlendSource(path=words[0]),)
+    if len(words) % 2:
+        raise ConfigError(f"data.blend={text!r} must alternate weights and prefixes, as in "
+                          "'0.3 data/a 0.7 data/b'; add the missing weight or prefix.")
+    sources = []
+    for weight, path in zip(words[::2], words[1::2]):
+        try:
+            sources.append(BlendSource(path=path, weight=float(weight)))
+        except ValueError:
+            raise ConfigError(f"data.blend={text!r}: {weight!r} (before {path}) is not a "
+                              "number; write it as 'WEIGHT PREFIX WEIGHT PREFIX ...'.") from None
+    return tuple(sources)
+
+
+@dataclass(frozen=True)
 class DataConfig:
     path: str = _f("builtin:stdlib", "token dataset prefix (from jaxtron.data.prepare) "
-                   "or builtin:stdlib")
+                   "or builtin:stdlib; data.blend replaces it")
+    blend: tuple[BlendSource, ...] | str | None = _f(
+        None, "weighted sources: a list of {path, weight, name} or Megatron's '0.3 A 0.7 B'")
     seq_len: int = _f(128, "tokens per training sequence")
     val_fraction: float = _f(0.02, "fraction of documents held out for evaluation")
     builtin_max_bytes: int = _f(4_000_000, "size cap of the built-in corpus")
+    packing: str = _f("stream", "stream: rows cut from the token stream; documents: attention "
+                      "and positions restart at every document of a row", PACKINGS)
+    eod_mask_loss: bool = _f(False, "drop the prediction across a document boundary "
+                             "(Megatron's --eod-mask-loss)")
+    workers: int = _f(2, "threads reading batches ahead of the step (0: read in the loop)")
+    prefetch: int = _f(4, "batches read ahead of the step")
+
+    def __post_init__(self):
+        if isinstance(self.blend, str):
+            object.__setattr__(self, "blend", parse_megatron_blend(self.blend))
+
+    @property
+    def sources(self) -> tuple[BlendSource, ...]:
+        """The blend, or data.path as the only source."""
+        return self.blend or (BlendSource(path=self.path),)
 
 
 @dataclass(frozen=True)
@@ -216,7 +264,8 @@ class Config:
 
 
 def _allowed_types(annotation) -> tuple[type, ...]:
-    hint = eval(annotation, vars(typing)) if isinstance(annotation, str) else annotation
+    hint = (eval(annotation, {**vars(typing), "BlendSource": BlendSource})
+            if isinstance(annotation, str) else annotation)
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
         return tuple(typing.get_args(hint))
     return (hint,)
@@ -231,6 +280,8 @@ def _coerce(path: str, value: Any, annotation) -> Any:
     for t in allowed:
         if typing.get_origin(t) is tuple and isinstance(value, (list, tuple)):
             item = typing.get_args(t)[0]
+            if dataclasses.is_dataclass(item):
+                return tuple(_build(item, v, f"{path}[{i}].") for i, v in enumerate(value))
             return tuple(_coerce(f"{path}[{i}]", v, item) for i, v in enumerate(value))
         if t is bool and isinstance(value, bool):
             return value
@@ -416,6 +467,21 @@ def _check(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def _check_blend(d: DataConfig) -> None:
+    if d.blend is None:
+        return
+    _check(len(d.blend) > 0, "data.blend is an empty list; give at least one {path, weight} "
+           "or remove it to train on data.path.")
+    labels = [s.label for s in d.blend]
+    for i, source in enumerate(d.blend):
+        _check(source.path != "", f"data.blend[{i}].path is missing; give the dataset prefix.")
+        _check(source.weight > 0, f"data.blend[{i}].weight={source.weight} (source "
+               f"{source.path}) must be positive; give it a share above 0 or remove the source.")
+        _check(labels.count(source.label) == 1,
+               f"data.blend[{i}] ({source.path}) has the label {source.label!r} of another "
+               "source; give each a distinct data.blend[i].name.")
+
+
 def validate(c: Config) -> None:
     m, t, o, d = c.model, c.train, c.optim, c.data
     positive = {"model.num_layers": m.num_layers, "model.d_model": m.d_model,
@@ -442,6 +508,9 @@ def validate(c: Config) -> None:
            f"(got {m.num_kv_heads}).")
     _check(m.type != "llama" or m.resolved_head_dim % 2 == 0,
            f"RoPE needs an even head dimension; model.head_dim resolves to {m.resolved_head_dim}.")
+    _check_blend(d)
+    _check(d.workers >= 0 and d.prefetch >= 0,
+           f"data.workers={d.workers} and data.prefetch={d.prefetch} must be 0 or more.")
     _check(d.seq_len <= m.max_seq_len,
            f"data.seq_len={d.seq_len} exceeds model.max_seq_len={m.max_seq_len}; raise "
            "model.max_seq_len or shorten data.seq_len.")

@@ -55,7 +55,8 @@ class MetricsLog:
         if self.events is not None:
             for key, value in record.items():
                 if key != "step":
-                    tag = "eval/loss" if key == "eval_loss" else f"train/{key}"
+                    tag = (f"eval/{key.removeprefix('eval_')}" if key.startswith("eval_loss")
+                           else f"train/{key}")
                     self.events.add_scalar(tag, value, record["step"])
             self.events.flush()
         line = (f"step {record['step']:>{len(str(self.total))}}/{self.total} | "
@@ -84,32 +85,39 @@ class Reporter:
         self.pending = None
         self.last: dict = {}
         self._time, self._step, self._eval_s = time.perf_counter(), start, 0.0
+        self._data_wait_s = 0.0
 
     def add_eval_time(self, seconds: float) -> None:
         self._eval_s += seconds
 
-    def hold(self, step: int, metrics, eval_loss: float | None) -> None:
-        """Report `step` later (it is still running on the device)."""
-        self.pending = (step, metrics, eval_loss)
+    def add_data_wait(self, seconds: float) -> None:
+        """Time the loop waited for the input pipeline to hand over a batch."""
+        self._data_wait_s += seconds
+
+    def hold(self, step: int, metrics, eval_losses: dict | None) -> None:
+        """Report `step` later (it is still running on the device). `eval_losses`:
+        {"eval_loss": ..., "eval_loss/<source>": ...} where evaluated."""
+        self.pending = (step, metrics, eval_losses)
 
     def flush(self) -> dict | None:
         """Write the held step's row, waiting for it; returns it (None if nothing was held)."""
         if self.pending is None:
             return None
-        step, metrics, eval_loss = self.pending
+        step, metrics, eval_losses = self.pending
         self.pending = None
         values = {k: float(v) for k, v in jax.device_get(metrics).items()}
         now = time.perf_counter()
         seconds = max(now - self._time - self._eval_s, 1e-9)
+        steps = max(step - self._step, 1)
         steps_per_s = (step - self._step) / seconds
-        self._time, self._step, self._eval_s = now, step, 0.0
         record = {"step": step, "loss": values["loss"], "lr": values["lr"],
                   "grad_norm": values["grad_norm"], "tokens_per_s": self.tokens * steps_per_s,
-                  "mfu": self.flops * steps_per_s / self.peak}
+                  "mfu": self.flops * steps_per_s / self.peak,
+                  "data_wait_s": self._data_wait_s / steps}
+        self._time, self._step, self._eval_s, self._data_wait_s = now, step, 0.0, 0.0
         record.update({k: v for k, v in values.items() if k.startswith("moe_")})
         record["skipped_updates"] = int(values.get("skipped_updates", 0))
-        if eval_loss is not None:
-            record["eval_loss"] = eval_loss
+        record.update(eval_losses or {})
         self.log.write(record)
         self.last = record
         return record

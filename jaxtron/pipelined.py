@@ -26,11 +26,13 @@ from flax import nnx
 
 from jaxtron.config import Config
 from jaxtron.models import Transformer
+from jaxtron.models.token_layout import TokenLayout
 from jaxtron.models.transformer import run_blocks
 from jaxtron.pipeline.engine import pipeline_loss, pipeline_value_and_grad
 from jaxtron.pipeline.layout import join_stages, split_layers, split_over_stages
 from jaxtron.pipeline.schedule import build_table, forward_table
 from jaxtron.sharding.rules import optimizer_rules, param_rules
+from jaxtron.step import counted_tokens_mean, model_inputs
 
 ENDS = ("embedder", "head")
 
@@ -125,43 +127,49 @@ class PipelinedTransformer:
 
     # -- the three stage functions -----------------------------------------------------------
 
-    def _first(self, first, shared, tokens_BxL):
+    def _first(self, first, shared, inputs):
         embedder = self._whole(nnx.State({**dict(first.items()), **dict(shared.items())}),
                                "embedder")
-        return nnx.merge(self.embedder_def, embedder)(tokens_BxL)
+        return nnx.merge(self.embedder_def, embedder)(inputs["tokens"], inputs.get("positions"))
 
-    def _stage(self, chunk_params, active_L, x_BxLxD):
+    def _stage(self, chunk_params, active_L, x_BxLxD, inputs):
+        layout = TokenLayout(positions=inputs.get("positions"),
+                             segment_ids=inputs.get("segment_ids"))
         x_BxLxD, _ = run_blocks(self.config.model, self.blocks_def, chunk_params, x_BxLxD,
-                                active_L)
+                                active_L, layout)
         return x_BxLxD
 
-    def _last(self, last, shared, x_BxLxD, targets_BxL):
+    def _last(self, last, shared, x_BxLxD, targets):
         head = nnx.merge(self.head_def, self._whole(last, "head"))
         table_VxD = None
         if self.config.model.tied_embeddings:
             table_VxD = self._whole(shared, "embedder")["embed"][...]
-        return head.loss(x_BxLxD, targets_BxL, table_VxD)
+        return head.loss(x_BxLxD, targets["targets"], table_VxD, targets.get("weights"))
 
     # -- loss and gradients ------------------------------------------------------------------
 
-    def _arguments(self, params, tokens, m: int):
-        batch, width = tokens.shape
+    def _arguments(self, params, batch: dict, m: int):
+        inputs_BxL, targets_BxL, layout, weights_BxL = model_inputs(batch)
+        inputs = {"tokens": inputs_BxL, "positions": layout.positions,
+                  "segment_ids": layout.segment_ids}
+        targets = {"targets": targets_BxL, "weights": weights_BxL}
         # Microbatch i takes rows i, i + m, ...: each data-parallel shard stays on its devices.
-        tokens_MxBxT = tokens.reshape(batch // m, m, width).swapaxes(0, 1)
+        split = lambda tree: {k: a.reshape(a.shape[0] // m, m, *a.shape[1:]).swapaxes(0, 1)  # noqa: E731
+                              for k, a in tree.items() if a is not None}
         active = jax.numpy.asarray(self.layout.active)
-        return (*self._split_ends(params), params["blocks"], active, tokens_MxBxT[..., :-1],
-                tokens_MxBxT[..., 1:])
+        return (*self._split_ends(params), params["blocks"], active, split(inputs),
+                split(targets))
 
-    def value_and_grad(self, params: nnx.State, tokens):
-        """Mean loss and gradients (pipeline layout) of the batch `tokens_Bx(L+1)`."""
+    def value_and_grad(self, params: nnx.State, batch: dict):
+        """Mean loss and gradients (pipeline layout) of a batch (see `jaxtron.step`)."""
         loss, (g_first, g_last, g_shared, g_blocks) = self._value_and_grad(
-            *self._arguments(params, tokens, self.table.microbatches))
+            *self._arguments(params, batch, self.table.microbatches))
         g_embedder = {**dict(g_first.items()), **dict(g_shared.items())}
         g_embedder = nnx.State({key: g_embedder[key] for key in params["embedder"]})
         return (loss, {"loss": loss}), nnx.State({"embedder": g_embedder, "blocks": g_blocks,
                                                  "head": g_last})
 
     def eval_loss(self, params: nnx.State, batch: dict):
-        """Mean loss of `batch["tokens"]` through a forward-only pipeline schedule."""
-        tokens = batch["tokens"]
-        return self._loss(*self._arguments(params, tokens, self.eval_table.microbatches))
+        """Mean loss of a batch through a forward-only pipeline schedule."""
+        return self._loss(*self._arguments(params, counted_tokens_mean(batch),
+                                           self.eval_table.microbatches))

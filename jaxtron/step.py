@@ -5,6 +5,14 @@ The step has no flags. How gradients are computed is a function passed in, built
 `lax.scan`; the optimizer still takes one step per global batch, and the loss is the same mean)
 and `sharding.data_parallel.reduce_once` (one data-parallel reduction per step; ZeRO-2's
 reduce-scatter).
+
+A batch is a dict of [B, ...] arrays (`jaxtron.data.batch`): `tokens` (inputs and shifted
+targets), and for packed rows `positions` / `segment_ids`, and `loss_mask` where only some
+targets count. The mask becomes `loss_weights` once per step, over the whole global batch
+(`counted_tokens_mean`): scaled so that the plain mean over all tokens is the mean over the
+counted ones. Every microbatch and data-parallel rank then averages equal-sized shards as
+before, and the step's loss is the global mean over counted tokens however unevenly the mask
+falls across microbatches (Megatron divides by the global number of loss tokens the same way).
 """
 
 from __future__ import annotations
@@ -16,10 +24,11 @@ import jax.numpy as jnp
 import optax
 from flax import nnx, struct
 
+from jaxtron.models.token_layout import TokenLayout
 from jaxtron.sharding.zigzag import in_zigzag_order
 
 
-# (params, tokens) -> ((objective, metrics), grads); metrics["loss"] is the language-model loss,
+# (params, batch) -> ((objective, metrics), grads); metrics["loss"] is the language-model loss,
 # the objective adds any auxiliary terms (mixture-of-experts balancing).
 GradFn = Callable[[Any, jax.Array], tuple[tuple[jax.Array, dict], Any]]
 
@@ -31,17 +40,35 @@ class TrainState:
     opt_state: optax.OptState
 
 
+def counted_tokens_mean(batch: dict) -> dict:
+    """`loss_mask` -> `loss_weights` = mask x (B x L) / (counted tokens in the batch): the mean
+    of nll x weights over all B x L targets is then the mean over the counted ones."""
+    if "loss_mask" not in batch:
+        return batch
+    batch = dict(batch)
+    mask = batch.pop("loss_mask").astype(jnp.float32)
+    batch["loss_weights"] = mask * (mask.size / jnp.maximum(jnp.sum(mask), 1.0))
+    return batch
+
+
+def model_inputs(batch: dict):
+    """A batch -> (inputs_BxL, targets_BxL, TokenLayout, weights_BxL or None)."""
+    tokens = batch["tokens"]
+    layout = TokenLayout(positions=batch.get("positions"), segment_ids=batch.get("segment_ids"))
+    return tokens[:, :-1], tokens[:, 1:], layout, batch.get("loss_weights")
+
+
 def make_loss_fn(graphdef: nnx.GraphDef, sequence_ring: int = 1):
-    """loss(params, tokens_Bx(L+1)) -> (objective, metrics) for the model `graphdef`: next-token
+    """loss(params, batch) -> (objective, metrics) for the model `graphdef`: next-token
     cross-entropy plus the model's weighted auxiliary losses. With `sequence_ring` > 1 (ring
     attention over that many devices) the model sees each sequence in the ring's zig-zag order,
     set here once instead of in every layer (`jaxtron.sharding.zigzag`): the same mean loss."""
 
-    def loss_fn(params, tokens):
+    def loss_fn(params, batch):
         model_loss = nnx.merge(graphdef, params).loss
         if sequence_ring > 1:
             model_loss = in_zigzag_order(model_loss, sequence_ring)
-        loss, aux = model_loss(tokens[:, :-1], tokens[:, 1:])
+        loss, aux = model_loss(*model_inputs(batch))
         objective = loss + sum(aux.pop("weighted_terms", []), jnp.zeros((), jnp.float32))
         return objective, {"loss": loss, **aux}
 
@@ -58,16 +85,16 @@ def accumulated_grads(grad_fn: GradFn, microbatches: int) -> GradFn:
     Microbatch a takes rows a, a + A, a + 2A, ...: reshaping [B] to [B/A, A] keeps each device's
     contiguous rows of a data-sharded batch on that device, so slicing moves no data.
     """
-    def accumulate(params, tokens):
-        batch, width = tokens.shape
-        tokens_AxMxT = tokens.reshape(batch // microbatches, microbatches, width).swapaxes(0, 1)
+    def accumulate(params, batch):
+        batch_AxMx = jax.tree.map(lambda a: a.reshape(a.shape[0] // microbatches, microbatches,
+                                                      *a.shape[1:]).swapaxes(0, 1), batch)
 
-        def body(grad_sum, micro_tokens):
-            out, grads = grad_fn(params, micro_tokens)
+        def body(grad_sum, micro_batch):
+            out, grads = grad_fn(params, micro_batch)
             return jax.tree.map(jnp.add, grad_sum, grads), out
 
         zeros = jax.tree.map(jnp.zeros_like, params)
-        grad_sum, outs = jax.lax.scan(body, zeros, tokens_AxMxT)
+        grad_sum, outs = jax.lax.scan(body, zeros, batch_AxMx)
         mean = jax.tree.map(lambda x: jnp.mean(x, axis=0), outs)
         return mean, jax.tree.map(lambda g: g / microbatches, grad_sum)
 
@@ -77,7 +104,7 @@ def accumulated_grads(grad_fn: GradFn, microbatches: int) -> GradFn:
 def make_train_step(tx: optax.GradientTransformation, schedule: optax.Schedule,
                     grad_fn: GradFn):
     def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
-        (_, metrics), grads = grad_fn(state.params, batch["tokens"])
+        (_, metrics), grads = grad_fn(state.params, batch)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         skipped_before = optax.tree_utils.tree_get(state.opt_state, "total_notfinite")
@@ -94,6 +121,6 @@ def make_train_step(tx: optax.GradientTransformation, schedule: optax.Schedule,
 
 def make_eval_step(loss_fn, to_model_params=lambda params: params):
     def eval_step(params, batch: dict) -> jax.Array:
-        return loss_fn(to_model_params(params), batch["tokens"])[1]["loss"]
+        return loss_fn(to_model_params(params), counted_tokens_mean(batch))[1]["loss"]
 
     return eval_step

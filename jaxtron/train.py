@@ -93,16 +93,16 @@ def run(config: config_lib.Config) -> dict:
 
 def _run(c: config_lib.Config, run_dir: Path) -> dict:
     from jaxtron.checkpoint import Checkpointer, checkpoint_dir
-    from jaxtron.data.pipeline import eval_batches, open_dataset, train_batches
+    from jaxtron.data.pipeline import eval_batches, open_sources, train_batches
     from jaxtron.trainer import Trainer
 
     is_main = jax.process_index() == 0
-    dataset = open_dataset(c)
+    sources = open_sources(c)
     trainer = Trainer(c)
     check_fits(trainer)
     rows = trainer.local_rows()
-    batches = train_batches(c, dataset, rows)
-    held_out = eval_batches(c, dataset, rows)
+    batches = train_batches(c, sources, rows)
+    held_out = eval_batches(c, sources, rows)
     if is_main:
         (run_dir / "config.yaml").write_text(config_lib.dump(c))
     checkpoints = Checkpointer(checkpoint_dir(run_dir), c.checkpoint.keep)
@@ -118,7 +118,7 @@ def _run(c: config_lib.Config, run_dir: Path) -> dict:
         n_params = sum(x.size for x in jax.tree.leaves(state.params))
         print(f"jaxtron: {c.model.type} model, {n_params:,} parameters, "
               f"{describe_mesh(trainer.mesh)}, compute {trainer.config.model.dtype}, "
-              f"{dataset.tokens.size:,} tokens in {c.data.path}; peak {peak / 1e9:,.1f} "
+              f"{describe_sources(sources)}; peak {peak / 1e9:,.1f} "
               f"GFLOP/s ({peak_source})", flush=True)
         if resumed_from is not None:
             print(f"resumed from {resumed_from} at step {start}", flush=True)
@@ -150,19 +150,21 @@ def _run(c: config_lib.Config, run_dir: Path) -> dict:
             log.advance()
             data_state = batches.get_state()  # the stream position after this step's batch
             if step < c.train.steps:
-                batch = trainer.put_batch(next(batches))  # overlaps with the running step
+                wait_start = time.perf_counter()
+                host_batch = next(batches)  # read ahead by data.workers: ~0 s when keeping up
+                reporter.add_data_wait(time.perf_counter() - wait_start)
+                batch = trainer.put_batch(host_batch)  # overlaps with the running step
             watch.check(reporter.flush())  # the previous step's row
             checkpoints.check()  # a background save that failed stops the run now
             act = policy.after(step, guard.stop_requested(step))
-            eval_loss = None
+            eval_losses = None
             if act.evaluate:
                 jax.block_until_ready(metrics)  # the step's own time stays in the window
                 eval_start = time.perf_counter()
-                losses = [trainer.eval_loss(state, trainer.put_batch(b)) for b in held_out]
-                eval_loss = float(np.mean(jax.device_get(losses)))
+                eval_losses = evaluate(trainer, state, held_out, sources)
                 reporter.add_eval_time(time.perf_counter() - eval_start)
             if act.log:
-                reporter.hold(step, metrics, eval_loss)
+                reporter.hold(step, metrics, eval_losses)
             if act.save:  # never save past a bad step, logged or not
                 watch.check(reporter.flush() or _unlogged(step, metrics))
                 checkpoints.save(step, trainer.canonical_state(state), data_state, c)
@@ -187,6 +189,30 @@ def _run(c: config_lib.Config, run_dir: Path) -> dict:
               f"{checkpoints.directory / str(step)} | metrics in {run_dir / 'metrics.jsonl'}",
               flush=True)
     return summary
+
+
+def describe_sources(sources) -> str:
+    if len(sources) == 1:
+        dataset = sources[0].dataset
+        return f"{dataset.tokens.size:,} tokens in {dataset.prefix}"
+    total = sum(s.weight for s in sources)
+    return "blend of " + ", ".join(f"{s.label} {s.weight / total:.0%} "
+                                   f"({s.dataset.tokens.size:,} tokens)" for s in sources)
+
+
+def evaluate(trainer, state, held_out, sources) -> dict:
+    """{"eval_loss": ...} and, for a blend, each source's `eval_loss/<label>`; the blend's
+    loss is the weighted mean of its sources' (what the training mixture is expected to see)."""
+    per_source = {}
+    for label, batches in held_out:
+        losses = [trainer.eval_loss(state, trainer.put_batch(b)) for b in batches]
+        per_source[label] = float(np.mean(jax.device_get(losses)))
+    if len(sources) == 1:
+        return {"eval_loss": per_source[sources[0].label]}
+    total = sum(s.weight for s in sources)
+    result = {"eval_loss": sum(s.weight * per_source[s.label] for s in sources) / total}
+    result.update({f"eval_loss/{label}": loss for label, loss in per_source.items()})
+    return result
 
 
 @contextlib.contextmanager

@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxtron.config import Config
 from jaxtron.cpu_matmuls import compiler_options, keep_until_exit
+from jaxtron.data.windows import batch_keys
 from jaxtron.errors import ConfigError
 from jaxtron.models import Transformer
 from jaxtron.optim import build_optimizer, learning_rate
@@ -30,8 +31,8 @@ from jaxtron.sharding.mesh import build_mesh
 from jaxtron.sharding.rules import (activation_rules, activation_sharding, check_rules,
                                     optimizer_rules, param_rules, spec_for, variable_shardings)
 from jaxtron.sharding.data_parallel import reduce_once
-from jaxtron.step import (TrainState, accumulated_grads, make_eval_step, make_loss_fn,
-                          make_train_step, plain_grads)
+from jaxtron.step import (TrainState, accumulated_grads, counted_tokens_mean, make_eval_step,
+                          make_loss_fn, make_train_step, plain_grads)
 
 
 class Trainer:
@@ -90,7 +91,7 @@ class Trainer:
             grad_fn = reduce_once(grad_fn, self.mesh,
                                   variable_shardings(abstract.params, self.param_rules,
                                                      self.mesh), scatter_like)
-        return grad_fn
+        return lambda params, batch: grad_fn(params, counted_tokens_mean(batch))
 
     def _shardings(self, abstract: TrainState) -> TrainState:
         """Parameters by the parameter rules, optimizer state by the (ZeRO) optimizer rules."""
@@ -143,7 +144,7 @@ class Trainer:
     def loss_and_grads(self, params, batch: dict):
         """The step's objective and gradients, without updating anything (for checks)."""
         with self._tracing():
-            (objective, _), grads = self._grads(params, batch["tokens"])
+            (objective, _), grads = self._grads(params, batch)
             return objective, grads
 
     def abstract_state(self) -> TrainState:
@@ -152,8 +153,10 @@ class Trainer:
                             self._abstract, self.state_shardings)
 
     def abstract_batch(self) -> dict:
-        shape = (self.config.train.batch_size, self.config.data.seq_len + 1)
-        return {"tokens": jax.ShapeDtypeStruct(shape, np.int32, sharding=self.batch_sharding)}
+        """Shapes of a global batch: the keys `data.packing` and `data.eod_mask_loss` add."""
+        batch = self.config.train.batch_size
+        return {key: jax.ShapeDtypeStruct((batch, *row), dtype, sharding=self.batch_sharding)
+                for key, (row, dtype) in batch_keys(self.config).items()}
 
     def eval_loss(self, state: TrainState, batch: dict) -> jax.Array:
         with self._tracing():

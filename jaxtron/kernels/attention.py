@@ -131,10 +131,8 @@ def attention(q, k, v, *, causal: bool = True, segment_ids=None, impl="auto"):
         raise ValueError(f"the sequence is in zig-zag order for a ring of {ordered_for}, but the "
                          f"active mesh has sequence={ring}: trace the step on its own mesh.")
     if ring > 1:
-        if segment_ids is not None:
-            raise ConfigError("packed segments are not supported with context parallelism; "
-                              "set mesh.sequence=1 or train on unpacked windows.")
-        return ring_attention(q, k, v, mesh=mesh, causal=causal, zigzag=ordered_for == ring)
+        return ring_attention(q, k, v, mesh=mesh, causal=causal, zigzag=ordered_for == ring,
+                              segment_ids=segment_ids)
     # JAX's cuDNN mask is top-left aligned; with fewer queries than keys every other kernel
     # aligns bottom-right, so such calls do not go to cuDNN (as with packed segments).
     unaligned = causal and q.shape[1] != k.shape[1]

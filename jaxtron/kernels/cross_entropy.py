@@ -161,7 +161,7 @@ def _to_chunks(a_BxL, chunks: int, padded: int, value=0):
 
 
 def chunked_cross_entropy(x_BxLxD, head_DxV, targets_BxL, *, weights_BxL=None,
-                          chunk_tokens: int = DEFAULT_CHUNK_TOKENS):
+                          denominator=None, chunk_tokens: int = DEFAULT_CHUNK_TOKENS):
     """Mean fp32 cross-entropy of the logits x @ head against targets, without the logits.
 
     Equals `cross_entropy_loss(x_BxLxD @ head_DxV.astype(x.dtype), targets_BxL, weights_BxL)`
@@ -170,6 +170,7 @@ def chunked_cross_entropy(x_BxLxD, head_DxV, targets_BxL, *, weights_BxL=None,
     sequence is cut into N = ceil(B * L / chunk_tokens) strided chunks of C = ceil(L / N)
     positions per row (zero-weight padding when N does not divide L; at least one position per
     row). Gradients flow to x and head; weights_BxL (optional, e.g. a loss mask) gets none.
+    The weighted sum is divided by `denominator` (default: the sum of the weights).
     """
     batch, length, dim = x_BxLxD.shape
     if head_DxV.ndim != 2 or head_DxV.shape[0] != dim or targets_BxL.shape != (batch, length):
@@ -190,4 +191,6 @@ def chunked_cross_entropy(x_BxLxD, head_DxV, targets_BxL, *, weights_BxL=None,
                      to_chunks(targets_BxL.astype(jnp.int32)), to_chunks(weights))
     if weights_BxL is None:
         return total / (batch * length)
-    return total / jnp.maximum(jnp.sum(weights), 1.0)
+    if denominator is None:
+        denominator = jnp.maximum(jnp.sum(weights), 1.0)
+    return total / denominator

@@ -24,6 +24,12 @@ fp32 scores alive at once grow with the local length L/n, never with its square:
 kernel holds what one device holds at L/n. Output and log-sum-exp carry the checkpoint names
 ATTENTION_RESIDUALS, so `remat: save_dots` keeps them instead of running the ring forward again.
 
+Packed documents: segment ids (int32 [B, L], in the order and sharding of q) mask every tile
+on top of causality, a query seeing a key only when their ids are equal. The queries' ids stay
+on their device; the keys' ids travel with their k/v block round the ring (a few bytes per
+token), in the forward and the backward alike. The half-block skip is causal only and stays
+as it is; a row or tile that segments mask whole contributes nothing (no NaN).
+
 Only the `sequence` axis is manual inside the shard_map: batch and heads stay sharded by GSPMD
 over data, fsdp and tensor.
 
@@ -65,8 +71,9 @@ def key_tile(rows: int, keys: int) -> int:
 
 # --- per-device blocks ----------------------------------------------------------------------
 # Layout inside the ring: q/o_BxGxRxLxK (each kv group's query heads beside each other),
-# k/v_BxGxSxK, statistics m/l/lse/delta_BxGxRxL. `causal` blocks are bottom-right aligned:
-# query row r sees key s <= r + S - L.
+# k/v_BxGxSxK, statistics m/l/lse/delta_BxGxRxL, segment ids of the queries Bx1x1xL and of the
+# keys Bx1xS (so rows and keys are sliced on the axes of q and k). `causal` blocks are
+# bottom-right aligned: query row r sees key s <= r + S - L.
 
 
 def _heads_first(q_BxLxHxK, groups: int):
@@ -79,21 +86,28 @@ def _heads_last(x_BxGxRxLxK):
     return x_BxGxRxLxK.transpose(0, 3, 1, 2, 4).reshape(b, length, g * r, dim)
 
 
-def _tiles(q, k, causal: bool):
-    """(tile width, count, scores(j, k_tile) -> masked fp32 scores, mask(j) or None)."""
+def _tiles(q, k, causal: bool, segments):
+    """(tile width, count, scores(j, k_tile) -> masked fp32 scores, mask(j) or None).
+    `segments`: None, or (q_seg_Bx1x1xL, k_seg_Bx1xS) for this block's rows and keys."""
     rows, keys, scale = q.shape[3], k.shape[2], q.shape[-1] ** -0.5
     width = key_tile(rows, keys)
 
     def mask(j):
-        if not causal:
-            return None
-        cols = j * width + jnp.arange(width)
-        return cols[None, :] <= jnp.arange(rows)[:, None] + (keys - rows)
+        masks = []
+        if causal:
+            cols = j * width + jnp.arange(width)
+            masks.append(cols[None, :] <= jnp.arange(rows)[:, None] + (keys - rows))
+        if segments is not None:
+            q_seg, k_seg = segments
+            k_tile = lax.dynamic_slice_in_dim(k_seg, j * width, width, axis=2)
+            masks.append(q_seg[..., None] == k_tile[:, :, None, None, :])  # Bx1x1xLxW
+        return functools.reduce(jnp.logical_and, masks) if masks else None
 
     def scores(j, k_tile):
         s = jnp.einsum("bgrlk,bgsk->bgrls", q, k_tile,
                        preferred_element_type=jnp.float32) * scale
-        return s if not causal else jnp.where(mask(j), s, NEG)
+        tile_mask = mask(j)
+        return s if tile_mask is None else jnp.where(tile_mask, s, NEG)
 
     return width, keys // width, scores, mask
 
@@ -108,9 +122,10 @@ def _loop(count: int, body, carry):
     return body(0, carry) if count == 1 else lax.fori_loop(0, count, body, carry)
 
 
-def _fold(state, q, k, v, causal: bool):
+def _fold(state, q, k, v, causal: bool, segments=None):
     """Fold the keys k/v into the online softmax state (o fp32 unnormalised, max m, sum l)."""
-    width, count, scores, mask = _tiles(q, k, causal)
+    width, count, scores, mask = _tiles(q, k, causal, segments)
+    masked = causal or segments is not None
 
     def body(j, state):
         o, m, l = state
@@ -118,7 +133,7 @@ def _fold(state, q, k, v, causal: bool):
         s = scores(j, k_tile)
         m_new = jnp.maximum(m, s.max(axis=-1))
         p = jnp.exp(s - m_new[..., None])
-        if causal:
+        if masked:  # a row masked whole so far has m_new = NEG and exp(0) = 1: zero it
             p = jnp.where(mask(j), p, 0.0)
         correction = jnp.exp(m - m_new)
         pv = jnp.einsum("bgrls,bgsk->bgrlk", p.astype(v.dtype), v_tile,
@@ -128,16 +143,17 @@ def _fold(state, q, k, v, causal: bool):
     return _loop(count, body, state)
 
 
-def _grads(acc, q, k, v, d_out, lse, delta, causal: bool):
+def _grads(acc, q, k, v, d_out, lse, delta, causal: bool, segments=None):
     """Add this block's (dq, dk, dv) to acc: p = exp(s - lse), ds = p (dO v^T - delta)."""
-    width, count, scores, mask = _tiles(q, k, causal)
+    width, count, scores, mask = _tiles(q, k, causal, segments)
+    masked = causal or segments is not None
     scale = q.shape[-1] ** -0.5
 
     def body(j, acc):
         dq, dk, dv = acc
         k_tile, v_tile = (lax.dynamic_slice_in_dim(x, j * width, width, axis=2) for x in (k, v))
         p = jnp.exp(scores(j, k_tile) - lse[..., None])
-        if causal:
+        if masked:
             p = jnp.where(mask(j), p, 0.0)
         dp = jnp.einsum("bgrlk,bgsk->bgrls", d_out, v_tile, preferred_element_type=jnp.float32)
         ds = (p * (dp - delta[..., None])).astype(q.dtype)
@@ -216,29 +232,49 @@ def _ring_steps(n: int, causal: bool, carry, blocks, work, send_with_block=None)
     return carry
 
 
-def _forward(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, n: int, causal: bool):
+def _segments(q_seg, blocks, rows, keys):
+    """(the rows' ids, the visiting keys' ids) of one work entry, or None without segments."""
+    if q_seg is None:
+        return None
+    return _get(q_seg, 3, rows), _get(blocks[2], 2, keys)
+
+
+def _blocks(k, v, segment_ids_BxL):
+    """What travels round the ring, and the local queries' ids: (k, v[, key ids]), q ids."""
+    if segment_ids_BxL is None:
+        return (k, v), None
+    ids = segment_ids_BxL.astype(jnp.int32)
+    return (k, v, ids[:, None, :]), ids[:, None, None, :]
+
+
+def _forward(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, segment_ids_BxL, n: int, causal: bool):
     """-> (out_BxLxHxK, lse_BxGxRxL) on this device's 2c rows."""
     groups = k_BxSxGxK.shape[2]
     q = _heads_first(q_BxLxHxK, groups)
     k, v = (x.transpose(0, 2, 1, 3) for x in (k_BxSxGxK, v_BxSxGxK))
+    blocks, q_seg = _blocks(k, v, segment_ids_BxL)
     stats = jnp.zeros(q.shape[:-1], jnp.float32)
     state = _varying(jnp.zeros(q.shape, jnp.float32), stats + NEG, stats)
 
     def work(state, blocks, rows, keys, masked):
-        k, v = (_get(x, 2, keys) for x in blocks)
-        new = _fold(tuple(_get(x, 3, rows) for x in state), _get(q, 3, rows), k, v, masked)
+        k, v = (_get(x, 2, keys) for x in blocks[:2])
+        new = _fold(tuple(_get(x, 3, rows) for x in state), _get(q, 3, rows), k, v, masked,
+                    _segments(q_seg, blocks, rows, keys))
         return tuple(_set(x, 3, rows, y) for x, y in zip(state, new))
 
-    o, m, l = _ring_steps(n, causal, state, (k, v), work)
+    o, m, l = _ring_steps(n, causal, state, blocks, work)
+    if q_seg is not None:  # a row no key is visible to (none with causal self-attention): 0
+        l = jnp.where(l > 0, l, 1.0)
     out = _heads_last(o / l[..., None]).astype(q_BxLxHxK.dtype)
     return out, m + jnp.log(l)
 
 
 def _backward(n: int, causal: bool, residuals, d_out_BxLxHxK):
-    q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, out_BxLxHxK, lse = residuals
+    q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, segment_ids_BxL, out_BxLxHxK, lse = residuals
     groups = k_BxSxGxK.shape[2]
     q, d_out, out = (_heads_first(x, groups) for x in (q_BxLxHxK, d_out_BxLxHxK, out_BxLxHxK))
     k, v = (x.transpose(0, 2, 1, 3) for x in (k_BxSxGxK, v_BxSxGxK))
+    blocks, q_seg = _blocks(k, v, segment_ids_BxL)
     # FlashAttention-2's delta = rowsum(dO * O) = rowsum(P * dP): a sum over K, not the keys.
     delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
     acc = _varying(jnp.zeros(q.shape, jnp.float32), jnp.zeros(k.shape, jnp.float32),
@@ -246,48 +282,58 @@ def _backward(n: int, causal: bool, residuals, d_out_BxLxHxK):
 
     def work(acc, blocks, rows, keys, masked):
         dq, dk, dv = acc
-        k, v = (_get(x, 2, keys) for x in blocks)
+        k, v = (_get(x, 2, keys) for x in blocks[:2])
         dq_rows, dk_keys, dv_keys = _grads(
             (_get(dq, 3, rows), _get(dk, 2, keys), _get(dv, 2, keys)), _get(q, 3, rows), k, v,
-            *(_get(x, 3, rows) for x in (d_out, lse, delta)), masked)
+            *(_get(x, 3, rows) for x in (d_out, lse, delta)), masked,
+            _segments(q_seg, blocks, rows, keys))
         return _set(dq, 3, rows, dq_rows), _set(dk, 2, keys, dk_keys), _set(dv, 2, keys, dv_keys)
 
     def send_with_block(acc, send):  # dk/dv travel with their block; after step n-1, home
         dq, dk, dv = acc
         return (dq, *send((dk, dv)))
 
-    dq, dk, dv = _ring_steps(n, causal, acc, (k, v), work, send_with_block)
+    dq, dk, dv = _ring_steps(n, causal, acc, blocks, work, send_with_block)
     return (_heads_last(dq).astype(q_BxLxHxK.dtype),
             dk.transpose(0, 2, 1, 3).astype(k_BxSxGxK.dtype),
-            dv.transpose(0, 2, 1, 3).astype(v_BxSxGxK.dtype))
+            dv.transpose(0, 2, 1, 3).astype(v_BxSxGxK.dtype),
+            None)  # segment ids are integers: no cotangent
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _ring(q, k, v, n: int, causal: bool):
-    """Per-device body: q/k/v hold this device's two zig-zag chunks (2c positions)."""
-    return _forward(q, k, v, n, causal)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _ring(q, k, v, segment_ids, n: int, causal: bool):
+    """Per-device body: q/k/v (and segment ids, or None) hold this device's two zig-zag
+    chunks (2c positions)."""
+    return _forward(q, k, v, segment_ids, n, causal)[0]
 
 
-def _ring_fwd(q, k, v, n: int, causal: bool):
-    out, lse = _forward(q, k, v, n, causal)
+def _ring_fwd(q, k, v, segment_ids, n: int, causal: bool):
+    out, lse = _forward(q, k, v, segment_ids, n, causal)
     out, lse = checkpoint_name(out, ATTENTION_OUT), checkpoint_name(lse, ATTENTION_LSE)
-    return out, (q, k, v, out, lse)
+    return out, (q, k, v, segment_ids, out, lse)
 
 
 _ring.defvjp(_ring_fwd, _backward)
 
 
-def ring_attention(q, k, v, *, mesh: Mesh, causal: bool = True, zigzag: bool = False):
-    """q_BxLxHxK, k/v_BxLxGxK, sequence-sharded over `mesh`'s `sequence` axis. `zigzag`: the
-    sequence axis of q, k and v is already in zig-zag order for this ring, and the output is
+def ring_attention(q, k, v, *, mesh: Mesh, causal: bool = True, zigzag: bool = False,
+                   segment_ids=None):
+    """q_BxLxHxK, k/v_BxLxGxK, sequence-sharded over `mesh`'s `sequence` axis; segment_ids_BxL
+    (packed documents, or None) in the order and sharding of q. `zigzag`: the sequence axis of
+    q, k, v and segment_ids is already in zig-zag order for this ring, and the output is
     returned in that order."""
     n = mesh.shape[AXIS]
     if q.shape[1] % (2 * n):
         raise ValueError(f"ring attention needs the sequence length {q.shape[1]} to be a "
                          f"multiple of 2 x mesh.sequence = {2 * n} (zig-zag chunks).")
     spec = PartitionSpec(None, AXIS)
-    body = jax.shard_map(functools.partial(_ring, n=n, causal=causal), mesh=shard_map_mesh(mesh),
-                         in_specs=(spec, spec, spec), out_specs=spec, axis_names={AXIS})
+    inputs = (q, k, v) if segment_ids is None else (q, k, v, segment_ids)
+
+    def local(q, k, v, segment_ids=None):
+        return _ring(q, k, v, segment_ids, n, causal)
+
+    body = jax.shard_map(local, mesh=shard_map_mesh(mesh), in_specs=(spec,) * len(inputs),
+                         out_specs=spec, axis_names={AXIS})
     if zigzag:
-        return body(q, k, v)
-    return from_zigzag(body(to_zigzag(q, n), to_zigzag(k, n), to_zigzag(v, n)), n)
+        return body(*inputs)
+    return from_zigzag(body(*(to_zigzag(x, n) for x in inputs)), n)

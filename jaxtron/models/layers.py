@@ -14,6 +14,7 @@ from flax import nnx
 from jaxtron.config import ModelConfig
 from jaxtron.kernels import attention
 from jaxtron.models.activations import gelu_tanh, swiglu
+from jaxtron.models.token_layout import PLAIN, TokenLayout
 from jaxtron.sharding.rules import constrain
 
 
@@ -60,12 +61,14 @@ def make_norm(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
     return LayerNorm(cfg, rngs) if cfg.type == "gpt2" else RMSNorm(cfg, rngs)
 
 
-def rotary(x_BxLxHxK, positions_L, theta: float):
-    """RoPE (Su et al. 2021), rotating pairs (i, i + K/2) as Llama does."""
+def rotary(x_BxLxHxK, positions, theta: float):
+    """RoPE (Su et al. 2021), rotating pairs (i, i + K/2) as Llama does. `positions` is [L]
+    (every row alike) or [B, L] (packed rows, restarting at each document)."""
     half = x_BxLxHxK.shape[-1] // 2
     freq_K2 = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angle_LxK2 = positions_L.astype(jnp.float32)[:, None] * freq_K2[None, :]
-    sin, cos = jnp.sin(angle_LxK2)[None, :, None, :], jnp.cos(angle_LxK2)[None, :, None, :]
+    angle = positions.astype(jnp.float32)[..., None] * freq_K2  # [L, K2] or [B, L, K2]
+    angle_BxLx1xK2 = (angle[None] if angle.ndim == 2 else angle)[:, :, None, :]
+    sin, cos = jnp.sin(angle_BxLx1xK2), jnp.cos(angle_BxLx1xK2)
     x1, x2 = jnp.split(x_BxLxHxK.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x_BxLxHxK.dtype)
@@ -92,7 +95,7 @@ class Attention(nnx.Module):
             self.bv = param(rngs, zeros, (g, k), ("kv_heads", "head_dim"), pd)
             self.bo = param(rngs, zeros, (d,), ("embed",), pd)
 
-    def project_qkv(self, x_BxLxD, positions_L):
+    def project_qkv(self, x_BxLxD, positions):
         """q_BxLxHxK, k/v_BxLxGxK with biases and rotary positions applied."""
         cfg, dt = self.cfg, x_BxLxD.dtype
         q_BxLxHxK = jnp.einsum("bld,dhk->blhk", x_BxLxD, self.wq[...].astype(dt))
@@ -103,8 +106,8 @@ class Attention(nnx.Module):
             k_BxLxGxK += self.bk[...].astype(dt)
             v_BxLxGxK += self.bv[...].astype(dt)
         if cfg.type == "llama":
-            q_BxLxHxK = rotary(q_BxLxHxK, positions_L, cfg.rope_theta)
-            k_BxLxGxK = rotary(k_BxLxGxK, positions_L, cfg.rope_theta)
+            q_BxLxHxK = rotary(q_BxLxHxK, positions, cfg.rope_theta)
+            k_BxLxGxK = rotary(k_BxLxGxK, positions, cfg.rope_theta)
         return q_BxLxHxK, k_BxLxGxK, v_BxLxGxK
 
     def project_out(self, out_BxLxHxK):
@@ -114,17 +117,16 @@ class Attention(nnx.Module):
             out_BxLxD += self.bo[...].astype(dt)
         return out_BxLxD
 
-    def __call__(self, x_BxLxD, positions_L=None):
-        """`positions_L`: each token's position (None: 0..L-1). Only RoPE reads it; the
+    def __call__(self, x_BxLxD, layout: TokenLayout = PLAIN):
+        """`layout`: positions for RoPE, and the documents attention must not cross. The
         causal mask is the kernel's (see `jaxtron.sharding.zigzag` for a reordered sequence)."""
-        if positions_L is None:
-            positions_L = jnp.arange(x_BxLxD.shape[1])
-        q_BxLxHxK, k_BxLxGxK, v_BxLxGxK = self.project_qkv(x_BxLxD, positions_L)
+        positions = layout.positions_for(x_BxLxD.shape[1])
+        q_BxLxHxK, k_BxLxGxK, v_BxLxGxK = self.project_qkv(x_BxLxD, positions)
         q_BxLxHxK = constrain(q_BxLxHxK, ("batch", "seq", "heads", "head_dim"))
         k_BxLxGxK = constrain(k_BxLxGxK, ("batch", "seq", "kv_heads", "head_dim"))
         v_BxLxGxK = constrain(v_BxLxGxK, ("batch", "seq", "kv_heads", "head_dim"))
         out_BxLxHxK = attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, causal=True,
-                                impl=self.cfg.attention_impl)
+                                segment_ids=layout.segment_ids, impl=self.cfg.attention_impl)
         return self.project_out(out_BxLxHxK)
 
 

@@ -130,9 +130,10 @@ class MoE(nnx.Module):
                                     "mlp_dim": moe.shared_experts * f})
             self.shared = MLP(shared, rngs)
 
-    def __call__(self, x_BxLxD, positions_L=None):
+    def __call__(self, x_BxLxD, order_L=None):
         """-> (y_BxLxD, aux) with aux the layer's load-balancing loss, z-loss and statistics.
-        `positions_L` (None: 0..L-1) orders the capacity mode's claims on slots."""
+        `order_L` (each token's index in the row's natural order; None: 0..L-1) orders the
+        capacity mode's claims on slots."""
         moe, dt = self.moe, x_BxLxD.dtype
         b, length, _ = x_BxLxD.shape
         logits_BxLxE = jnp.einsum("bld,de->ble", x_BxLxD.astype(jnp.float32),
@@ -149,7 +150,7 @@ class MoE(nnx.Module):
             slots = (length if dropless else
                      capacity(length, moe.top_k, moe.num_experts, moe.capacity_factor))
             y_BxLxD, kept = self._with_capacity(x_BxLxD, weights_BxLxK, experts_BxLxK,
-                                                None if dropless else positions_L, weights,
+                                                None if dropless else order_L, weights,
                                                 slots)
         if moe.shared_experts:
             y_BxLxD = y_BxLxD + self.shared(x_BxLxD)

@@ -10,10 +10,12 @@ work.
 Llama: RMSNorm, RoPE, SwiGLU, grouped-query attention, untied embeddings (Touvron et al. 2023).
 GPT-2: LayerNorm, learned positions, GELU, tied embeddings (Radford et al. 2019).
 
-Tokens may come with explicit positions (`positions_L`, a permutation of 0..L-1; default: in
-order), for a caller that reorders the sequence: RoPE, learned positions and the MoE capacity
-priority follow them, attention's causal mask follows the kernel. Context parallelism uses this
-to put the sequence in its ring's zig-zag order once per step (`jaxtron.sharding.zigzag`).
+Tokens may come with a `TokenLayout` (`token_layout.py`): positions that restart at each
+document of a packed row and the segment ids that keep attention inside a document, or the
+permutation context parallelism applies once per step (`jaxtron.sharding.zigzag`), which RoPE,
+learned positions and the MoE capacity priority follow while attention's causal mask follows
+the kernel. The loss may weight its targets (`weights_BxL`, a loss mask scaled by the step so
+that the mean over every token of the batch is the mean over the counted ones).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from jaxtron.kernels.blockwise import ATTENTION_RESIDUALS
 from jaxtron.kernels.cross_entropy import chunked_cross_entropy
 from jaxtron.models.blocks import MOE_STATS, Block, BlockGroup
 from jaxtron.models.layers import make_norm, normal, param
+from jaxtron.models.token_layout import PLAIN, TokenLayout
 from jaxtron.sharding.rules import constrain
 
 REMAT_POLICIES = {
@@ -50,16 +53,17 @@ class Embedder(nnx.Module):
             self.pos_embed = param(rngs, normal(cfg.init_std), (cfg.max_seq_len, cfg.d_model),
                                    (None, "embed"), cfg.param_dtype)
 
-    def __call__(self, tokens_BxL, positions_L=None):
+    def __call__(self, tokens_BxL, positions=None):
+        """`positions` ([L] or [B, L]) picks the learned position embeddings (gpt2)."""
         dt = jnp.dtype(self.cfg.compute_dtype)
         # In the compute layout (activation rules) the table is split by vocabulary only: a
         # vocab-parallel lookup whose partial rows are summed across the tensor axis.
         table_VxD = constrain(self.embed[...], ("vocab", "embed"))
         x_BxLxD = jnp.take(table_VxD, tokens_BxL, axis=0).astype(dt)
         if self.cfg.type == "gpt2":
-            pos_LxD = (self.pos_embed[:tokens_BxL.shape[1]] if positions_L is None
-                       else jnp.take(self.pos_embed[...], positions_L, axis=0))
-            x_BxLxD = x_BxLxD + pos_LxD.astype(dt)
+            pos = (self.pos_embed[:tokens_BxL.shape[1]] if positions is None
+                   else jnp.take(self.pos_embed[...], positions, axis=0))  # [L|BxL, D]
+            x_BxLxD = x_BxLxD + pos.astype(dt)
         return constrain(x_BxLxD, ("batch", "residual_seq", "embed"))
 
 
@@ -81,12 +85,18 @@ class Head(nnx.Module):
     def _matrix(self, table_VxD):
         return table_VxD.T if self.cfg.tied_embeddings else self.lm_head[...]
 
-    def loss(self, x_BxLxD, targets_BxL, table_VxD=None):
-        """Mean next-token loss; `model.cross_entropy=chunked` never forms the full logits."""
+    def loss(self, x_BxLxD, targets_BxL, table_VxD=None, weights_BxL=None):
+        """Mean next-token loss over all B x L targets, each weighted by `weights_BxL` if given
+        (not renormalised here: the step scales a loss mask so that this mean is the mean over
+        the counted tokens of the whole batch). `model.cross_entropy=chunked` never forms the
+        full logits."""
+        tokens = targets_BxL.shape[0] * targets_BxL.shape[1]
         if self.cfg.cross_entropy == "plain":
-            return cross_entropy_loss(self(x_BxLxD, table_VxD), targets_BxL)
+            return cross_entropy_loss(self(x_BxLxD, table_VxD), targets_BxL, weights_BxL,
+                                      denominator=tokens)
         return chunked_cross_entropy(self.final_norm(x_BxLxD), self._matrix(table_VxD),
-                                     targets_BxL, chunk_tokens=self.cfg.loss_chunk_tokens)
+                                     targets_BxL, weights_BxL=weights_BxL, denominator=tokens,
+                                     chunk_tokens=self.cfg.loss_chunk_tokens)
 
 
 def make_blocks(cfg: ModelConfig, rngs: nnx.Rngs, moe: MoEConfig | None = None) -> nnx.Module:
@@ -104,15 +114,16 @@ def make_blocks(cfg: ModelConfig, rngs: nnx.Rngs, moe: MoEConfig | None = None) 
     return create(rngs)
 
 
-def run_blocks(cfg: ModelConfig, graphdef, stacked, x_BxLxD, active_N=None, positions_L=None):
+def run_blocks(cfg: ModelConfig, graphdef, stacked, x_BxLxD, active_N=None,
+               layout: TokenLayout = PLAIN):
     """Apply stacked units in order -> (x, summed MoE statistics). Where `active_N` is False a
-    unit is the identity (padding in uneven pipeline splits). `positions_L`: see the module
-    docstring (None: 0..L-1)."""
+    unit is the identity (padding in uneven pipeline splits). `layout`: see the module
+    docstring."""
 
     def body(carry, layer):
         x, stats = carry
         layer_state, active = layer
-        y, layer_stats = nnx.merge(graphdef, layer_state)(x, positions_L)
+        y, layer_stats = nnx.merge(graphdef, layer_state)(x, layout)
         y = y if active is None else jnp.where(active, y, x)
         return (y, jax.tree.map(jnp.add, stats, layer_stats)), None
 
@@ -137,26 +148,28 @@ class Transformer(nnx.Module):
         self.blocks = make_blocks(cfg, rngs, self.moe)
         self.head = Head(cfg, rngs)
 
-    def __call__(self, tokens_BxL, positions_L=None):
+    def __call__(self, tokens_BxL, layout: TokenLayout = PLAIN):
         """Token ids -> logits_BxLxV in the compute dtype."""
-        return self.forward(tokens_BxL, positions_L)[0]
+        return self.forward(tokens_BxL, layout)[0]
 
-    def forward(self, tokens_BxL, positions_L=None):
+    def forward(self, tokens_BxL, layout: TokenLayout = PLAIN):
         """-> (logits_BxLxV, aux): aux holds the MoE statistics averaged over MoE layers and
         `weighted_terms`, the auxiliary losses to add to the training objective."""
-        x_BxLxD, aux = self._trunk(tokens_BxL, positions_L)
+        x_BxLxD, aux = self._trunk(tokens_BxL, layout)
         return self.head(x_BxLxD, self.embedder.embed[...]), aux
 
-    def loss(self, tokens_BxL, targets_BxL, positions_L=None):
+    def loss(self, tokens_BxL, targets_BxL, layout: TokenLayout = PLAIN, weights_BxL=None):
         """-> (mean next-token loss, aux) without returning logits (see Head.loss)."""
-        x_BxLxD, aux = self._trunk(tokens_BxL, positions_L)
-        return self.head.loss(x_BxLxD, targets_BxL, self.embedder.embed[...]), aux
+        x_BxLxD, aux = self._trunk(tokens_BxL, layout)
+        return self.head.loss(x_BxLxD, targets_BxL, self.embedder.embed[...],
+                              weights_BxL), aux
 
-    def _trunk(self, tokens_BxL, positions_L):
-        x_BxLxD = self.embedder(tokens_BxL, positions_L)
+    def _trunk(self, tokens_BxL, layout: TokenLayout):
+        positions = None if layout.positions is None and layout.order is None else \
+            layout.positions_for(tokens_BxL.shape[1])
+        x_BxLxD = self.embedder(tokens_BxL, positions)
         graphdef, stacked = nnx.split(self.blocks)
-        x_BxLxD, stats = run_blocks(self.cfg, graphdef, stacked, x_BxLxD,
-                                    positions_L=positions_L)
+        x_BxLxD, stats = run_blocks(self.cfg, graphdef, stacked, x_BxLxD, layout=layout)
         if self.moe is None:
             return x_BxLxD, {}
         moe_layers = self.cfg.num_layers // self.moe.every
@@ -167,7 +180,7 @@ class Transformer(nnx.Module):
         return x_BxLxD, aux
 
 
-def cross_entropy_loss(logits_BxLxV, targets_BxL, weights_BxL=None):
+def cross_entropy_loss(logits_BxLxV, targets_BxL, weights_BxL=None, denominator=None):
     """Mean next-token cross-entropy in fp32, whatever dtype the logits were computed in.
 
     Written as logsumexp minus the target logit so that, with logits sharded over the vocabulary,
@@ -181,4 +194,6 @@ def cross_entropy_loss(logits_BxLxV, targets_BxL, weights_BxL=None):
     nll_BxL = log_z_BxL - target_logit_BxL
     if weights_BxL is None:
         return jnp.mean(nll_BxL)
-    return jnp.sum(nll_BxL * weights_BxL) / jnp.maximum(jnp.sum(weights_BxL), 1.0)
+    if denominator is None:  # the weighted mean
+        denominator = jnp.maximum(jnp.sum(weights_BxL), 1.0)
+    return jnp.sum(nll_BxL * weights_BxL) / denominator

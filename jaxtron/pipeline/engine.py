@@ -66,6 +66,11 @@ def _gather(tree, users: tuple[int, ...], me, p: int):
     return jax.tree.map(one, tree)
 
 
+def microbatch(tree, index):
+    """Microbatch `index` of every [M, ...] leaf of an input or target tree."""
+    return jax.tree.map(lambda a: a[index], tree)
+
+
 class _Plan:
     """What the training and evaluation maps share: the table, the ends' gather, the
     composite stage function, and the specs."""
@@ -112,11 +117,12 @@ class _Plan:
     def composite(self, me, inputs, targets, micro, chunk, chunk_active, fp, sp, cp, lp, x_in):
         """One virtual stage: embed first if it is the first, add the loss if the last."""
         virtual_stage = chunk * self.p + me
-        x = jax.lax.cond(virtual_stage == 0, lambda: self.first_fn(fp, sp, inputs[micro]),
+        inputs, targets = microbatch(inputs, micro), microbatch(targets, micro)
+        x = jax.lax.cond(virtual_stage == 0, lambda: self.first_fn(fp, sp, inputs),
                          lambda: x_in)
-        y = self.stage_fn(cp, chunk_active, x)
+        y = self.stage_fn(cp, chunk_active, x, inputs)
         loss = jax.lax.cond(virtual_stage == self.last_stage,
-                            lambda: self.last_fn(lp, sp, y, targets[micro]).astype(jnp.float32),
+                            lambda: self.last_fn(lp, sp, y, targets).astype(jnp.float32),
                             lambda: jnp.zeros((), jnp.float32))
         return y, loss
 
@@ -132,8 +138,10 @@ def pipeline_value_and_grad(table: Table, mesh: Mesh, first_fn: Callable, stage_
     """Build fn(first_s, last_s, shared_s, stage_p, active, inputs_M, targets_M) -> (loss,
     (g_first, g_last, g_shared, g_stage)), gradients in the layouts of their parameters.
 
-    first_fn(first, shared, inputs) -> x; stage_fn(chunk_p, chunk_active, x) -> x;
-    last_fn(last, shared, x, targets) -> mean loss of the microbatch. The ends (`first_s`,
+    first_fn(first, shared, inputs) -> x; stage_fn(chunk_p, chunk_active, x, inputs) -> x;
+    last_fn(last, shared, x, targets) -> mean loss of the microbatch. `inputs_M` and
+    `targets_M` are trees of [M, ...] arrays (a microbatch's tokens, and whatever else its
+    stages read: positions, segment ids, loss weights), each function given its microbatch. The ends (`first_s`,
     `last_s`, `shared_s`) are split `[p, n/p, ...]` and reach first_fn / last_fn whole, `[n, ...]`
     (n rounded up to a multiple of p); stage_p and active carry the pipeline layout
     `[p, v, Lmax, ...]`. The loss is the mean over microbatches (and replicas).
@@ -148,7 +156,7 @@ def pipeline_value_and_grad(table: Table, mesh: Mesh, first_fn: Callable, stage_
         active = active[0]
         (first_p, last_p, shared_p), send_back = jax.vjp(
             lambda f, l, s: plan.ends(f, l, s, me), first_s, last_s, shared_s)
-        x_shape = jax.eval_shape(first_fn, first_p, shared_p, inputs[0])
+        x_shape = jax.eval_shape(first_fn, first_p, shared_p, microbatch(inputs, 0))
         zeros_x = jnp.zeros(x_shape.shape, x_shape.dtype)
         # Each replica's loss is the mean of its rows: the global mean divides by replicas too.
         scale = 1.0 / (m * math.prod(mesh.shape[a] for a in replicas))
@@ -242,7 +250,7 @@ def pipeline_loss(table: Table, mesh: Mesh, first_fn: Callable, stage_fn: Callab
         stage_p = jax.tree.map(lambda a: a[0], stage_p)
         active = active[0]
         first_p, last_p, shared_p = plan.ends(first_s, last_s, shared_s, me)
-        x_shape = jax.eval_shape(first_fn, first_p, shared_p, inputs[0])
+        x_shape = jax.eval_shape(first_fn, first_p, shared_p, microbatch(inputs, 0))
         zeros_x = jnp.zeros(x_shape.shape, x_shape.dtype)
 
         def idle(carry, t):

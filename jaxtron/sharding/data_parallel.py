@@ -67,7 +67,7 @@ def _split_by_mesh(param: NamedSharding) -> bool:
 
 
 def reduce_once(grad_fn, mesh: Mesh, param_shardings, optimizer_shardings=None):
-    """grad_fn(params, tokens) -> ((objective, metrics), grads) run per data-parallel rank on
+    """grad_fn(params, batch) -> ((objective, metrics), grads) run per data-parallel rank on
     its rows, reduced over `data` once. With `optimizer_shardings` (ZeRO-2) the gradients come
     back reduce-scattered like them: a gradient no other axis splits is scattered right where
     it is summed; one split over fsdp or tensor leaves the data-manual region unreduced, one
@@ -95,9 +95,9 @@ def reduce_once(grad_fn, mesh: Mesh, param_shardings, optimizer_shardings=None):
             return PartitionSpec(*([None] * plan[1]), AXIS)
         return PartitionSpec(AXIS) if plan[0] == "manual" else PartitionSpec()
 
-    def body(params, tokens):
+    def body(params, batch):
         with without_mesh_axis(AXIS):
-            (objective, metrics), grads = grad_fn(params, tokens)
+            (objective, metrics), grads = grad_fn(params, batch)
         objective, metrics = jax.lax.pmean((objective, metrics), AXIS)
         if plans is None:
             return (objective, metrics), jax.tree.map(lambda g: g / n,
@@ -106,13 +106,13 @@ def reduce_once(grad_fn, mesh: Mesh, param_shardings, optimizer_shardings=None):
         return (objective, metrics), treedef.unflatten(
             [reduce(g, plan) for g, plan in zip(leaves, plans, strict=True)])
 
-    def fn(params, tokens):
+    def fn(params, batch):
         specs = (PartitionSpec() if plans is None else
                  jax.tree.structure(params).unflatten([out_spec(p) for p in plans]))
         mapped = jax.shard_map(body, mesh=mesh, axis_names={AXIS},
                                in_specs=(PartitionSpec(), PartitionSpec(AXIS)),
                                out_specs=(PartitionSpec(), specs), check_vma=False)
-        out, grads = mapped(params, tokens)
+        out, grads = mapped(params, batch)
         if plans is None or not manual:
             return out, grads
         leaves, treedef = jax.tree.flatten(grads)
