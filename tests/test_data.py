@@ -6,7 +6,7 @@ import sys
 import numpy as np
 import pytest
 
-from jaxtron.data.indexed import MAGIC, IndexedDataset
+from jaxtron.data.indexed import MAGIC, IndexedDataset, write_indexed
 from jaxtron.data.pipeline import eval_batches, open_dataset, split_point, train_batches
 from jaxtron.data.prepare import prepare
 from jaxtron.errors import DataError
@@ -147,3 +147,93 @@ def test_prepare_skips_binary_files_and_reports_undecodable_bytes(tmp_path, caps
     second = data.tokens[data.document_start(1):data.document_start(2) - 1]  # less the EOS
     assert bytes(second.astype(np.uint8)).decode("utf-8") == "café au lait"
     assert data.meta["max_token_id"] == int(data.tokens.max())
+
+
+def read_megatron_index(path):
+    """The .idx fields as Megatron-LM's _IndexReader reads them."""
+    raw = path.read_bytes()
+    assert raw[:9] == MAGIC
+    version, code, count, doc_count = struct.unpack("<QBQQ", raw[9:34])
+    lengths = np.frombuffer(raw, np.int32, count, 34)
+    pointers = np.frombuffer(raw, np.int64, count, 34 + 4 * count)
+    docs = np.frombuffer(raw, np.int64, doc_count, 34 + 12 * count)
+    return version, code, lengths, pointers, docs
+
+
+def test_documents_of_several_sequences(tmp_path):
+    # Megatron's --split-sentences layout: one .idx entry per sentence, grouped by document.
+    documents = [[[1, 2, 3], [4, 5]], [[6]], [[7, 8], [], [9, 10, 11], [12]], [[], []], [[13]]]
+    meta = write_indexed(tmp_path / "s", documents, vocab_size=256, tokenizer="byte", eos_id=0,
+                         sequences_per_document=True)
+    version, code, lengths, pointers, docs = read_megatron_index(tmp_path / "s.idx")
+    # Empty sentences are dropped, EOS ends each document's last sentence, and an empty
+    # document is just its EOS.
+    assert version == 1 and code == 8
+    assert list(lengths) == [3, 3, 2, 2, 3, 2, 1, 2]
+    assert list(pointers) == [0, 6, 12, 16, 20, 26, 30, 32]  # bytes, uint16 tokens
+    assert list(docs) == [0, 2, 3, 6, 7, 8]
+    assert meta["num_documents"] == 5 and meta["num_sequences"] == 8
+
+    ds = IndexedDataset(tmp_path / "s")
+    assert ds.num_documents == 5
+    expected = [0]  # by hand: each document's tokens plus its EOS
+    for doc in documents:
+        expected.append(expected[-1] + sum(len(s) for s in doc) + 1)
+    offsets = ds.document_offsets()
+    assert offsets.dtype == np.int64 and list(offsets) == expected == [0, 6, 8, 15, 16, 18]
+    assert ds.document_offsets() is offsets  # computed once
+    sequence_starts = set((pointers // 2).tolist())
+    inside = sequence_starts - set(expected)  # sentence starts that are not document starts
+    assert inside == {3, 10, 13}
+    for i in range(ds.num_documents + 1):
+        assert ds.document_start(i) == expected[i] and ds.document_start(i) not in inside
+        if 0 < i:
+            assert ds.tokens[ds.document_start(i) - 1] == 0  # a document ends in its EOS
+    cut = split_point(ds, 0.4)  # the split holds out whole documents
+    assert cut == expected[3]
+
+
+def test_one_sequence_per_document_unchanged(tmp_path):
+    write_indexed(tmp_path / "p", [[1, 2], [3], [4, 5, 6]], vocab_size=256, tokenizer="byte",
+                  eos_id=None)
+    _, _, lengths, pointers, docs = read_megatron_index(tmp_path / "p.idx")
+    assert list(lengths) == [2, 1, 3] and list(pointers) == [0, 4, 6]
+    assert list(docs) == [0, 1, 2, 3]
+    ds = IndexedDataset(tmp_path / "p")
+    assert ds.num_documents == 3 and list(ds.document_offsets()) == [0, 2, 3, 6]
+    assert ds.loss_mask is None
+
+
+def test_many_documents_offsets_are_vectorised(tmp_path):
+    rng = np.random.default_rng(0)
+    sizes = rng.integers(1, 4, 200_000)
+    documents = [[[7] * int(n)] * 2 for n in sizes]
+    write_indexed(tmp_path / "big", documents, vocab_size=256, tokenizer="byte", eos_id=0,
+                  sequences_per_document=True)
+    ds = IndexedDataset(tmp_path / "big")
+    expected = np.concatenate([[0], np.cumsum(2 * sizes + 1)])
+    np.testing.assert_array_equal(ds.document_offsets(), expected)
+    assert ds.document_start(123_456) == expected[123_456]
+
+
+@pytest.mark.parametrize("change, fragment", [
+    (lambda d: d.__setitem__(0, 1), "document_indices from 1 to 8, not from 0"),
+    (lambda d: d.__setitem__(-1, 7), "document_indices from 0 to 7, not from 0 to its 8"),
+    (lambda d: d.__setitem__(2, 1), "document_indices that decrease at document 2 (2 then 1)"),
+])
+def test_malformed_document_indices(tmp_path, change, fragment):
+    documents = [[[1, 2, 3], [4, 5]], [[6]], [[7, 8], [9, 10, 11], [12]], [[13], [14]]]
+    write_indexed(tmp_path / "s", documents, vocab_size=256, tokenizer="byte", eos_id=0,
+                  sequences_per_document=True)
+    idx = tmp_path / "s.idx"
+    raw = bytearray(idx.read_bytes())
+    start = 34 + 12 * 8
+    docs = np.frombuffer(raw, np.int64, 5, start).copy()
+    change(docs)
+    raw[start:start + 40] = docs.tobytes()
+    idx.write_bytes(bytes(raw))
+    with pytest.raises(DataError) as err:
+        IndexedDataset(tmp_path / "s")
+    message = str(err.value)
+    assert "\n" not in message and str(idx) in message and fragment in message
+    assert "rebuild it with python -m jaxtron.data.prepare" in message

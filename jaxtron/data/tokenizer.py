@@ -20,7 +20,7 @@ class ByteTokenizer:
     vocab_size = BYTE_VOCAB
     eos_id = BYTE_EOS
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode("utf-8"))
 
     def decode(self, ids) -> str:
@@ -51,8 +51,10 @@ class HFTokenizer:
         ids = [self._tok.token_to_id(t) for t in EOS_CANDIDATES]
         self.eos_id = next((i for i in ids if i is not None), None)
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Ids of `text`; `add_special_tokens=False` leaves out what the tokenizer's
+        post-processor adds (e.g. a BOS), for a piece that continues a document."""
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids])
