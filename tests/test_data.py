@@ -110,7 +110,7 @@ def test_batches_are_shifted_windows_of_the_training_split():
     for row in batch:  # every row is a contiguous slice of the training tokens
         starts = np.flatnonzero(flat[:-32] == row[0])
         assert any(np.array_equal(flat[s:s + 33], row) for s in starts)
-    held_out = eval_batches(config, ds)
+    [(_, held_out)] = eval_batches(config, ds)
     assert len(held_out) == 2
     val = np.asarray(ds.tokens[cut:])
     assert np.array_equal(held_out[0]["tokens"][0], val[:33])

@@ -33,10 +33,10 @@ def test_gradient_accumulation_equals_one_big_batch():
     config = make_config()
     trainer = Trainer(config, devices=jax.devices()[:1])
     params = trainer.init_state().params
-    tokens = next(train_batches(config, open_dataset(config)))["tokens"]
-    (loss_full, _), grads_full = jax.jit(plain_grads(trainer.loss_fn))(params, tokens)
+    batch = {"tokens": next(train_batches(config, open_dataset(config)))["tokens"]}
+    (loss_full, _), grads_full = jax.jit(plain_grads(trainer.loss_fn))(params, batch)
     (loss_acc, _), grads_acc = jax.jit(accumulated_grads(plain_grads(trainer.loss_fn), 4))(
-        params, tokens)
+        params, batch)
     np.testing.assert_allclose(loss_full, loss_acc, rtol=1e-6)
     for a, b in zip(jax.tree.leaves(grads_full), jax.tree.leaves(grads_acc), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
