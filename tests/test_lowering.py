@@ -115,6 +115,11 @@ LAYOUTS = {
     "dropless": {"mesh.data": 8, "moe.num_experts": 4, "moe.mode": "dropless"},
     "zero2": {"mesh.data": 8, "optim.zero_stage": 2},
     "grad_accum": {"mesh.data": 8, "optim.grad_accum": 2, "train.batch_size": 16},
+    # Packed documents: segment ids reach every kernel (cuDNN would fall back to Triton).
+    "packed_documents": {"mesh.data": 8, "data.packing": "documents",
+                         "data.eod_mask_loss": True},
+    "packed_1f1b": {"mesh.data": 4, "mesh.stage": 2, "pipeline.microbatches": 2,
+                    "data.packing": "documents"},
 }
 
 
