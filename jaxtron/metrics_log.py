@@ -68,6 +68,10 @@ class MetricsLog:
                      f"{record['moe_max_load']:.2f} dropped {100 * record['moe_dropped']:.1f}%")
         if "eval_loss" in record:
             line += f" | eval_loss {record['eval_loss']:.4f}"
+            per_source = [f"{key.removeprefix('eval_loss/')} {value:.4f}"
+                          for key, value in record.items() if key.startswith("eval_loss/")]
+            if per_source:
+                line += f" ({', '.join(per_source)})"
         if self.bar.disable:
             print(line, flush=True)
             return
