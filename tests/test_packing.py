@@ -170,3 +170,16 @@ def test_windows_mark_documents_positions_and_masks_from_the_files(tmp_path):
         assert row["loss_mask"].tolist() == [
             float(mask[t + 1] and doc_of[j] == doc_of[j + 1])
             for j, t in enumerate(range(begin, begin + 16))]
+
+
+def test_fine_tuning_data_needs_document_packing(tmp_path):
+    from jaxtron.data.pipeline import open_sources
+    from jaxtron.errors import DataError
+    write_indexed(tmp_path / "sft", [[5, 6, 7, 8]] * 40, vocab_size=256, tokenizer="test",
+                  eos_id=0, masks=[[0, 0, 1, 1]] * 40)
+    config = make_config(data={"path": str(tmp_path / "sft"), "seq_len": 8})
+    with pytest.raises(DataError, match="fine-tuning data .* set data.packing=documents"):
+        open_sources(config)
+    packed = make_config(data={"path": str(tmp_path / "sft"), "seq_len": 8,
+                               "packing": "documents"})
+    assert open_sources(packed)[0].dataset.loss_mask is not None
