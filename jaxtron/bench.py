@@ -51,6 +51,25 @@ def random_tokens(config: config_lib.Config, seed: int = 0) -> np.ndarray:
     return rng.integers(0, config.model.vocab_size, shape, dtype=np.int32)
 
 
+def random_batch(config) -> dict:
+    """A batch with every key the config's data has (`windows.batch_keys`): random tokens,
+    and for packed rows four documents per row, every target counted."""
+    from jaxtron.data.windows import batch_keys
+
+    batch = {"tokens": random_tokens(config)}
+    rows, length = config.train.batch_size, config.data.seq_len
+    keys = batch_keys(config)
+    if "segment_ids" in keys:
+        segment = np.minimum(np.arange(length) * 4 // length, 3) + 1
+        batch["segment_ids"] = np.broadcast_to(segment, (rows, length)).astype(np.int32)
+        starts = np.searchsorted(segment, segment, side="left")
+        batch["positions"] = np.broadcast_to(np.arange(length) - starts,
+                                             (rows, length)).astype(np.int32)
+    if "loss_mask" in keys:
+        batch["loss_mask"] = np.ones((rows, length), np.float32)
+    return batch
+
+
 def time_steps(step, state, batch, warmup: int, steps: int, repeats: int):
     """Median seconds per step over `repeats` windows; returns (seconds, final state)."""
     for _ in range(warmup):
@@ -71,7 +90,7 @@ def bench_jaxtron(config, devices, warmup, steps, repeats) -> dict:
 
     trainer = Trainer(config, devices)
     state = trainer.init_state()
-    batch = trainer.put_batch({"tokens": random_tokens(config)})
+    batch = trainer.put_batch(random_batch(config))
     start = time.perf_counter()
     compiled = trainer.compile_step(state, batch)
     compile_s = time.perf_counter() - start

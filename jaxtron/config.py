@@ -303,7 +303,7 @@ def _coerce(path: str, value: Any, annotation) -> Any:
 
 def _build(cls, raw: dict, prefix: str):
     if not isinstance(raw, dict):
-        raise ConfigError(f"{prefix or 'the config'} must be a mapping of keys to values, "
+        raise ConfigError(f"{prefix.rstrip('.') or 'the config'} must be a mapping of keys to values, "
                           f"got {raw!r}.")
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs = {}

@@ -53,6 +53,9 @@ def counted_tokens_mean(batch: dict) -> dict:
 
 def model_inputs(batch: dict):
     """A batch -> (inputs_BxL, targets_BxL, TokenLayout, weights_BxL or None)."""
+    if "loss_mask" in batch:  # a mask read as weights would average over a microbatch only
+        raise ValueError("the batch holds a raw loss_mask: pass it through "
+                         "counted_tokens_mean(batch) over the whole global batch first.")
     tokens = batch["tokens"]
     layout = TokenLayout(positions=batch.get("positions"), segment_ids=batch.get("segment_ids"))
     return tokens[:, :-1], tokens[:, 1:], layout, batch.get("loss_weights")

@@ -3,8 +3,9 @@
     python -m jaxtron.train --config configs/tiny.yaml [section.key=value ...]
 
 Writes <train.run_dir>/config.yaml (the resolved config) and metrics.jsonl (one JSON object per
-logged step: step, loss, lr, grad_norm, tokens_per_s, mfu, eval_loss where evaluated, and for
-mixture-of-experts models moe_balance, moe_z, moe_dropped, moe_max_load), shows
+logged step: step, loss, lr, grad_norm, tokens_per_s, mfu, data_wait_s (seconds per step spent
+waiting for the input pipeline), eval_loss where evaluated (and eval_loss/<source> for a blend),
+and for mixture-of-experts models moe_balance, moe_z, moe_dropped, moe_max_load), shows
 a progress line every `train.log_every` steps and ends with a one-line summary. Metrics are read
 one step late, so the host never waits on the step it just dispatched.
 """
@@ -149,12 +150,14 @@ def _run(c: config_lib.Config, run_dir: Path) -> dict:
             profiler.after(step, metrics)
             log.advance()
             data_state = batches.get_state()  # the stream position after this step's batch
+            wait = 0.0
             if step < c.train.steps:
                 wait_start = time.perf_counter()
                 host_batch = next(batches)  # read ahead by data.workers: ~0 s when keeping up
-                reporter.add_data_wait(time.perf_counter() - wait_start)
+                wait = time.perf_counter() - wait_start
                 batch = trainer.put_batch(host_batch)  # overlaps with the running step
             watch.check(reporter.flush())  # the previous step's row
+            reporter.add_data_wait(wait)  # counted in this step's row
             checkpoints.check()  # a background save that failed stops the run now
             act = policy.after(step, guard.stop_requested(step))
             eval_losses = None
@@ -205,8 +208,15 @@ def evaluate(trainer, state, held_out, sources) -> dict:
     loss is the weighted mean of its sources' (what the training mixture is expected to see)."""
     per_source = {}
     for label, batches in held_out:
-        losses = [trainer.eval_loss(state, trainer.put_batch(b)) for b in batches]
-        per_source[label] = float(np.mean(jax.device_get(losses)))
+        losses, counted = [], []
+        for host_batch in batches:
+            batch = trainer.put_batch(host_batch)
+            losses.append(trainer.eval_loss(state, batch))
+            # Each batch's loss is its mean over counted targets (over every host's rows):
+            # weight it by their number, so the source's loss is the mean over its tokens.
+            counted.append(jax.numpy.sum(batch["loss_mask"]) if "loss_mask" in batch else 1.0)
+        losses, counted = np.asarray(jax.device_get(losses)), np.asarray(jax.device_get(counted))
+        per_source[label] = float(np.dot(losses, counted) / max(counted.sum(), 1.0))
     if len(sources) == 1:
         return {"eval_loss": per_source[sources[0].label]}
     total = sum(s.weight for s in sources)

@@ -99,7 +99,7 @@ def test_restore_onto_a_different_mesh(tmp_path, target):
     for a, b in zip(jax.tree.leaves(pure(other, restored)), jax.tree.leaves(pure(trainer, state)),
                     strict=True):
         np.testing.assert_array_equal(a, b)
-    assert data_state == {"next_index": 2}
+    assert data_state["stream"] == {"next_index": 2}
     restored, _ = other.step(restored, other.put_batch(
         {"tokens": np.zeros((8, 33), np.int32)}))  # and training continues
     assert int(restored.step) == 3

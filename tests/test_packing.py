@@ -183,3 +183,37 @@ def test_fine_tuning_data_needs_document_packing(tmp_path):
     packed = make_config(data={"path": str(tmp_path / "sft"), "seq_len": 8,
                                "packing": "documents"})
     assert open_sources(packed)[0].dataset.loss_mask is not None
+
+
+def test_fine_tuning_rows_hold_whole_examples_padded(tmp_path, capsys):
+    from jaxtron.data.windows import WholeExamples
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(1, 200, rng.integers(2, 9)).tolist() for _ in range(50)]
+    completions = [rng.integers(1, 200, rng.integers(1, 6)).tolist() for _ in range(50)]
+    prompts[7] = list(range(1, 30))  # longer than a row: cut to it
+    write_indexed(tmp_path / "sft", [p + c for p, c in zip(prompts, completions)],
+                  vocab_size=256, tokenizer="test", eos_id=0,
+                  masks=[[0] * len(p) + [1] * len(c) for p, c in zip(prompts, completions)])
+    dataset = IndexedDataset(tmp_path / "sft")
+    rows = WholeExamples(dataset, 0, 50, 15)
+    assert rows.truncated == 1
+    whole = [(p + c + [0])[:16] for p, c in zip(prompts, completions)]
+    trained = [([0] * len(p) + [1] * (len(c) + 1))[:16] for p, c in zip(prompts, completions)]
+    placed = []
+    for i in range(len(rows)):
+        row, examples = rows[i], list(range(rows.rows[i], rows.rows[i + 1]))
+        placed += examples
+        tokens = sum((whole[k] for k in examples), [])
+        assert len(tokens) <= 16 and (examples == [7] or len(tokens) + len(
+            whole[examples[-1] + 1] if examples[-1] + 1 < 50 else []) > 16 or i == len(rows) - 1)
+        segment = sum(([n] * len(whole[k]) for n, k in enumerate(examples, 1)), [])
+        segment += [0] * (16 - len(segment))
+        mask = sum((trained[k] for k in examples), []) + [0] * (16 - len(tokens))
+        assert row["tokens"].tolist() == tokens + [0] * (16 - len(tokens))
+        assert row["segment_ids"].tolist() == segment[:-1]
+        assert row["positions"].tolist() == [
+            j - segment.index(segment[j]) if segment[j] else 0 for j in range(15)]
+        # a target counts only inside its own example, after that example's prompt
+        assert row["loss_mask"].tolist() == [
+            float(mask[j + 1] and segment[j + 1] == segment[j] > 0) for j in range(15)]
+    assert placed == list(range(50))

@@ -32,19 +32,22 @@ def _second_source(folder: Path, first) -> str:
     dataset = first.dataset
     offsets = dataset.document_offsets()
     docs = [dataset.tokens[offsets[i]:offsets[i + 1]] for i in range(len(offsets) - 1)][::-1]
-    write_indexed(folder / "reversed", docs, vocab_size=256, tokenizer="byte", eos_id=None)
+    write_indexed(folder / "reversed", docs, vocab_size=dataset.vocab_size,
+                  tokenizer=dataset.meta.get("tokenizer", "unknown"), eos_id=None)
     return str(folder / "reversed")
 
 
-def _fine_tuning_set(folder: Path, count: int = 4000) -> str:
+def _fine_tuning_set(folder: Path, vocab: int, count: int = 4000) -> str:
     """Prompt/completion pairs, prompts masked out: the shape of real fine-tuning data."""
     rng = np.random.default_rng(0)
     docs, masks = [], []
     for _ in range(count):
-        prompt, completion = rng.integers(1, 256, rng.integers(8, 64)), rng.integers(1, 256, 16)
+        prompt, completion = (rng.integers(1, vocab, rng.integers(8, 64)),
+                              rng.integers(1, vocab, 16))
         docs.append(np.concatenate([prompt, completion]).tolist())
         masks.append([0] * len(prompt) + [1] * len(completion))
-    write_indexed(folder / "sft", docs, vocab_size=256, tokenizer="byte", eos_id=0, masks=masks)
+    write_indexed(folder / "sft", docs, vocab_size=vocab, tokenizer="random", eos_id=0,
+                  masks=masks)
     return str(folder / "sft")
 
 
@@ -59,7 +62,8 @@ def pipelines(config: config_lib.Config, folder: Path) -> dict[str, config_lib.C
     return {"stream": with_data(packing="stream"),
             "documents": with_data(packing="documents", eod_mask_loss=True),
             "blend": with_data(packing="documents", blend=blend),
-            "sft": with_data(packing="documents", path=_fine_tuning_set(folder),
+            "sft": with_data(packing="documents",
+                             path=_fine_tuning_set(folder, config.model.vocab_size),
                              val_fraction=0.05)}
 
 

@@ -167,7 +167,7 @@ class IndexedDataset:
         self.prefix = prefix
         for suffix in (".bin", ".idx"):
             if not Path(f"{prefix}{suffix}").is_file():
-                raise DataError(f"data.path={prefix} has no {prefix}{suffix}; create the dataset "
+                raise DataError(f"data source {prefix} has no {prefix}{suffix}; create the dataset "
                                 "with python -m jaxtron.data.prepare --input DIR_OR_JSONL "
                                 f"--out {prefix}, or use data.path=builtin:stdlib.")
         index = Path(f"{prefix}.idx")

@@ -23,7 +23,7 @@ import numpy as np
 from jaxtron.config import Config
 from jaxtron.data.corpus import BUILTIN_STDLIB, builtin_prefix
 from jaxtron.data.indexed import IndexedDataset
-from jaxtron.data.windows import Windows
+from jaxtron.data.windows import WholeExamples, Windows
 from jaxtron.errors import DataError
 
 
@@ -96,22 +96,37 @@ def open_dataset(config: Config, path: str | None = None) -> IndexedDataset:
     return dataset
 
 
-def split_point(dataset: IndexedDataset, val_fraction: float) -> int:
-    """Token offset where the held-out documents begin."""
+def first_held_out(dataset: IndexedDataset, val_fraction: float) -> int:
+    """Index of the first held-out document."""
     held_out = max(1, int(round(dataset.num_documents * val_fraction)))
     if held_out >= dataset.num_documents:
-        raise DataError(f"the dataset has {dataset.num_documents} documents, too few to hold "
-                        f"out data.val_fraction={val_fraction} for evaluation and still train; "
-                        "add documents or lower data.val_fraction.")
-    return dataset.document_start(dataset.num_documents - held_out)
+        raise DataError(f"{dataset.prefix} has {dataset.num_documents} documents, too few to "
+                        f"hold out data.val_fraction={val_fraction} for evaluation and still "
+                        "train; add documents or lower data.val_fraction.")
+    return dataset.num_documents - held_out
 
 
-def _windows(config: Config, dataset: IndexedDataset, split: str) -> Windows:
+def split_point(dataset: IndexedDataset, val_fraction: float) -> int:
+    """Token offset where the held-out documents begin."""
+    return dataset.document_start(first_held_out(dataset, val_fraction))
+
+
+def _windows(config: Config, dataset: IndexedDataset, split: str):
     d = config.data
-    cut = split_point(dataset, d.val_fraction)
-    start, end = (0, cut) if split == "train" else (cut, int(dataset.tokens.size))
-    windows = Windows(dataset, start, end, d.seq_len, documents=d.packing == "documents",
-                      eod_mask_loss=d.eod_mask_loss)
+    if dataset.loss_mask is not None:  # fine-tuning examples: whole, one row or more each
+        cut = first_held_out(dataset, d.val_fraction)
+        first, last = (0, cut) if split == "train" else (cut, dataset.num_documents)
+        windows = WholeExamples(dataset, first, last, d.seq_len)
+        start, end = dataset.document_start(first), dataset.document_start(last)
+        if windows.truncated and split == "train":
+            print(f"note: {windows.truncated} examples of {dataset.prefix} are longer than "
+                  f"data.seq_len+1={d.seq_len + 1} tokens and were cut to it; raise "
+                  "data.seq_len to train them whole", file=sys.stderr, flush=True)
+    else:
+        cut = split_point(dataset, d.val_fraction)
+        start, end = (0, cut) if split == "train" else (cut, int(dataset.tokens.size))
+        windows = Windows(dataset, start, end, d.seq_len, documents=d.packing == "documents",
+                          eod_mask_loss=d.eod_mask_loss)
     if len(windows) == 0:
         raise DataError(f"the {split} split of {dataset.prefix} has {end - start} "
                         f"tokens, fewer than one window of data.seq_len={d.seq_len}+1; "
@@ -150,7 +165,8 @@ class TrainStream:
 
     def __init__(self, iterator, sources: list[OpenSource]):
         self.iterator = iterator
-        self.weights = {s.label: s.weight for s in sources}
+        # In order: a source's place sets its shuffle seed, so reordering is a change too.
+        self.weights = [[s.label, str(s.dataset.prefix), s.weight] for s in sources]
 
     def __iter__(self):
         return self

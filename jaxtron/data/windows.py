@@ -16,9 +16,14 @@ padding: every token is trained on (unlike first-fit packing, which pads each ro
 needs an iterator over the whole stream rather than rows readable in any order).
 
 `loss_mask[j]` (present with `documents` packing or `data.eod_mask_loss`) says whether the
-prediction of target j + 1 counts: 0 for a fine-tuning dataset's prompt tokens (its `.mask.bin`)
-and, with `eod_mask_loss`, for the prediction from one document's last token to the next
-document's first (Megatron's `--eod-mask-loss`, which masks predictions made from the EOD token).
+prediction of target j + 1 counts: with `eod_mask_loss`, not the prediction from one document's
+last token to the next document's first (Megatron's `--eod-mask-loss`, which masks predictions
+made from the EOD token).
+
+Fine-tuning data (a dataset with a `.mask.bin`) is packed differently, by `WholeExamples`: an
+example cut at a row boundary would train its completion without its prompt, so each row holds
+whole examples, greedily in order, padded at the end (segment id 0, masked), as Megatron's SFT
+dataset keeps each sample whole. An example longer than a row is truncated to it and counted.
 """
 
 from __future__ import annotations
@@ -61,6 +66,45 @@ class Windows:
             mask = mask * (doc[1:] == doc[:-1])
         row["loss_mask"] = mask
         return row
+
+
+class WholeExamples:
+    """Rows of whole examples (documents [first, last) of `dataset`), greedily packed in order,
+    each row padded to L + 1 tokens; the loss mask is the dataset's, never across examples."""
+
+    def __init__(self, dataset: IndexedDataset, first: int, last: int, seq_len: int):
+        offsets = dataset.document_offsets()[first:last + 1]
+        self.tokens, self.mask, self.width = dataset.tokens, dataset.loss_mask, seq_len + 1
+        self.starts = offsets[:-1]
+        self.lengths = np.minimum(np.diff(offsets), self.width)
+        self.truncated = int((np.diff(offsets) > self.width).sum())
+        rows, fill = [0], 0
+        for i, length in enumerate(self.lengths.tolist()):  # greedy: next example or new row
+            if fill + length > self.width:
+                rows.append(i)
+                fill = 0
+            fill += length
+        self.rows = np.asarray(rows + [len(self.lengths)])
+
+    def __len__(self) -> int:
+        return len(self.rows) - 1 if len(self.lengths) else 0
+
+    def __getitem__(self, index: int) -> dict:
+        width, examples = self.width, range(self.rows[index], self.rows[index + 1])
+        tokens = np.zeros(width, np.int32)
+        segment, position, trained = (np.zeros(width, np.int32), np.zeros(width, np.int32),
+                                      np.zeros(width, np.float32))
+        at = 0
+        for n, example in enumerate(examples, start=1):
+            start, length = int(self.starts[example]), int(self.lengths[example])
+            tokens[at:at + length] = self.tokens[start:start + length]
+            trained[at:at + length] = self.mask[start:start + length]
+            segment[at:at + length] = n
+            position[at:at + length] = np.arange(length)
+            at += length
+        same_example = (segment[1:] == segment[:-1]) & (segment[1:] > 0)
+        return {"tokens": tokens, "segment_ids": segment[:-1], "positions": position[:-1],
+                "loss_mask": trained[1:] * same_example}
 
 
 def batch_keys(config) -> dict[str, tuple]:

@@ -118,7 +118,8 @@ def configured_kernel(config, platform: str, cudnn_here: bool = True) -> Kernel:
         return Kernel.RING
     m = config.model
     return kernel_for(m.attention_impl, platform, dtype=compute_dtype(m.dtype, platform),
-                      head_dim=m.resolved_head_dim, cudnn_here=cudnn_here)
+                      head_dim=m.resolved_head_dim, cudnn_here=cudnn_here,
+                      segments=config.data.packing == "documents")
 
 
 def attention(q, k, v, *, causal: bool = True, segment_ids=None, impl="auto"):
