@@ -22,12 +22,13 @@ from __future__ import annotations
 import math
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from jaxtron.config import Config
 from jaxtron.models import Transformer
 from jaxtron.models.token_layout import TokenLayout
-from jaxtron.models.transformer import run_blocks
+from jaxtron.models.transformer import moe_aux, run_blocks
 from jaxtron.pipeline.engine import pipeline_loss, pipeline_value_and_grad
 from jaxtron.pipeline.layout import join_stages, split_layers, split_over_stages
 from jaxtron.pipeline.schedule import build_table, forward_table
@@ -46,7 +47,12 @@ class PipelinedTransformer:
         c = config
         self.config, self.mesh = c, mesh
         p, v, m = c.mesh.stage, c.pipeline.virtual_stages, c.pipeline.microbatches
-        self.layout = split_layers(c.model.num_layers, p, v, c.pipeline.layers_per_stage)
+        # The stacked unit is a block, or for MoE every k-th layers a group of k blocks
+        # ending in its MoE block: stages hold whole units.
+        every = c.moe.every if c.moe.enabled else 1
+        counts = c.pipeline.layers_per_stage
+        self.layout = split_layers(c.model.num_layers // every, p, v,
+                                   None if counts is None else tuple(n // every for n in counts))
         self.table = build_table(c.pipeline.schedule, p, m, v)
         # Evaluation cuts the batch as finely as a training step does (microbatches of every
         # accumulation step), so it never holds larger activations than training.
@@ -135,9 +141,14 @@ class PipelinedTransformer:
     def _stage(self, chunk_params, active_L, x_BxLxD, inputs):
         layout = TokenLayout(positions=inputs.get("positions"),
                              segment_ids=inputs.get("segment_ids"))
-        x_BxLxD, _ = run_blocks(self.config.model, self.blocks_def, chunk_params, x_BxLxD,
-                                active_L, layout)
-        return x_BxLxD
+        x_BxLxD, stats = run_blocks(self.config.model, self.blocks_def, chunk_params, x_BxLxD,
+                                    active_L, layout)
+        if not self.config.moe.enabled:
+            return x_BxLxD, {"objective": jnp.zeros((), jnp.float32)}
+        # This chunk's share of the MoE layers' mean statistics and auxiliary losses.
+        aux = moe_aux(self.config.model, self.config.moe, stats)
+        objective = sum(aux.pop("weighted_terms"), jnp.zeros((), jnp.float32))
+        return x_BxLxD, {"objective": objective, **aux}
 
     def _last(self, last, shared, x_BxLxD, targets):
         head = nnx.merge(self.head_def, self._whole(last, "head"))
@@ -162,12 +173,12 @@ class PipelinedTransformer:
 
     def value_and_grad(self, params: nnx.State, batch: dict):
         """Mean loss and gradients (pipeline layout) of a batch (see `jaxtron.step`)."""
-        loss, (g_first, g_last, g_shared, g_blocks) = self._value_and_grad(
+        (objective, metrics), (g_first, g_last, g_shared, g_blocks) = self._value_and_grad(
             *self._arguments(params, batch, self.table.microbatches))
         g_embedder = {**dict(g_first.items()), **dict(g_shared.items())}
         g_embedder = nnx.State({key: g_embedder[key] for key in params["embedder"]})
-        return (loss, {"loss": loss}), nnx.State({"embedder": g_embedder, "blocks": g_blocks,
-                                                 "head": g_last})
+        return (objective, metrics), nnx.State({"embedder": g_embedder, "blocks": g_blocks,
+                                                "head": g_last})
 
     def eval_loss(self, params: nnx.State, batch: dict):
         """Mean loss of a batch through a forward-only pipeline schedule."""

@@ -124,7 +124,9 @@ def run_blocks(cfg: ModelConfig, graphdef, stacked, x_BxLxD, active_N=None,
         x, stats = carry
         layer_state, active = layer
         y, layer_stats = nnx.merge(graphdef, layer_state)(x, layout)
-        y = y if active is None else jnp.where(active, y, x)
+        if active is not None:  # a padding unit: no output, no statistics
+            y = jnp.where(active, y, x)
+            layer_stats = jax.tree.map(lambda s: jnp.where(active, s, 0.0), layer_stats)
         return (y, jax.tree.map(jnp.add, stats, layer_stats)), None
 
     if cfg.remat != "none":
@@ -172,12 +174,18 @@ class Transformer(nnx.Module):
         x_BxLxD, stats = run_blocks(self.cfg, graphdef, stacked, x_BxLxD, layout=layout)
         if self.moe is None:
             return x_BxLxD, {}
-        moe_layers = self.cfg.num_layers // self.moe.every
-        mean = {name: value / moe_layers for name, value in stats.items()}
-        aux = {f"moe_{name}": value for name, value in mean.items()}
-        aux["weighted_terms"] = [self.moe.aux_loss_coef * mean["balance"],
-                                 self.moe.z_loss_coef * mean["z"]]
-        return x_BxLxD, aux
+        return x_BxLxD, moe_aux(self.cfg, self.moe, stats)
+
+
+def moe_aux(cfg: ModelConfig, moe: MoEConfig, stats: dict) -> dict:
+    """MoE statistics summed over (some of) the MoE layers -> their share of the per-layer mean
+    (`moe_<name>`) and of the weighted auxiliary losses (`weighted_terms`): a pipeline stage's
+    shares add up over stages to the whole model's."""
+    moe_layers = cfg.num_layers // moe.every
+    mean = {name: value / moe_layers for name, value in stats.items()}
+    aux = {f"moe_{name}": value for name, value in mean.items()}
+    aux["weighted_terms"] = [moe.aux_loss_coef * mean["balance"], moe.z_loss_coef * mean["z"]]
+    return aux
 
 
 def cross_entropy_loss(logits_BxLxV, targets_BxL, weights_BxL=None, denominator=None):

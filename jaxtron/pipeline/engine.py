@@ -120,10 +120,22 @@ class _Plan:
         inputs, targets = microbatch(inputs, micro), microbatch(targets, micro)
         x = jax.lax.cond(virtual_stage == 0, lambda: self.first_fn(fp, sp, inputs),
                          lambda: x_in)
-        y = self.stage_fn(cp, chunk_active, x, inputs)
+        y, extra = self.stage_fn(cp, chunk_active, x, inputs)
         loss = jax.lax.cond(virtual_stage == self.last_stage,
                             lambda: self.last_fn(lp, sp, y, targets).astype(jnp.float32),
                             lambda: jnp.zeros((), jnp.float32))
+        extra = dict(extra)
+        objective = loss + extra.pop("objective")
+        return (y, objective), {"loss": loss, **extra}
+
+    def metric_zeros(self, stage_p, active, first_p, shared_p, inputs):
+        """Zeros shaped like the metrics `composite` reports (the loss and the stage's own)."""
+        chunk_p, chunk_active = self.chunk(stage_p, active, 0)
+        x = jax.eval_shape(self.first_fn, first_p, shared_p, microbatch(inputs, 0))
+        _, extra = jax.eval_shape(self.stage_fn, chunk_p, chunk_active,
+                                  jnp.zeros(x.shape, x.dtype), microbatch(inputs, 0))
+        names = ["loss", *(name for name in extra if name != "objective")]
+        return {name: jnp.zeros((), jnp.float32) for name in names}
         return y, loss
 
     @staticmethod
@@ -135,11 +147,15 @@ class _Plan:
 
 def pipeline_value_and_grad(table: Table, mesh: Mesh, first_fn: Callable, stage_fn: Callable,
                             last_fn: Callable):
-    """Build fn(first_s, last_s, shared_s, stage_p, active, inputs_M, targets_M) -> (loss,
-    (g_first, g_last, g_shared, g_stage)), gradients in the layouts of their parameters.
+    """Build fn(first_s, last_s, shared_s, stage_p, active, inputs_M, targets_M) -> ((objective,
+    metrics), (g_first, g_last, g_shared, g_stage)), gradients in the layouts of their
+    parameters.
 
-    first_fn(first, shared, inputs) -> x; stage_fn(chunk_p, chunk_active, x, inputs) -> x;
-    last_fn(last, shared, x, targets) -> mean loss of the microbatch. `inputs_M` and
+    first_fn(first, shared, inputs) -> x; stage_fn(chunk_p, chunk_active, x, inputs) -> (x,
+    extra) with extra["objective"] a term the stage adds to the objective (auxiliary losses;
+    0 for none) and its other entries scalar metrics; last_fn(last, shared, x, targets) -> mean
+    loss of the microbatch. The objective is the loss plus every stage's terms; metrics holds
+    the loss and the stages' metrics, each summed over stages and averaged like the loss. `inputs_M` and
     `targets_M` are trees of [M, ...] arrays (a microbatch's tokens, and whatever else its
     stages read: positions, segment ids, loss weights), each function given its microbatch. The ends (`first_s`,
     `last_s`, `shared_s`) are split `[p, n/p, ...]` and reach first_fn / last_fn whole, `[n, ...]`
@@ -168,9 +184,12 @@ def pipeline_value_and_grad(table: Table, mesh: Mesh, first_fn: Callable, stage_
             micro, chunk = tabs["microbatch"][t, me], tabs["chunk"][t, me]
             x_in = carry["acts"][tabs["act_slot"][t, me]]
             chunk_p, chunk_active = plan.chunk(stage_p, active, chunk)
-            y, loss = plan.composite(me, inputs, targets, micro, chunk, chunk_active, first_p,
-                                     shared_p, chunk_p, last_p, x_in)
-            carry = dict(carry, loss=carry["loss"] + loss * scale)
+            (y, objective), metrics = plan.composite(me, inputs, targets, micro, chunk,
+                                                     chunk_active, first_p, shared_p, chunk_p,
+                                                     last_p, x_in)
+            carry = dict(carry, loss=carry["loss"] + objective * scale,
+                         metrics=jax.tree.map(lambda acc, v: acc + v * scale, carry["metrics"],
+                                              metrics))
             is_last = chunk * p + me == plan.last_stage
             return carry, jnp.where(is_last, zeros_x, y), zeros_x
 
@@ -179,11 +198,11 @@ def pipeline_value_and_grad(table: Table, mesh: Mesh, first_fn: Callable, stage_
             x_in = carry["acts"][tabs["act_slot"][t, me]]
             is_last = chunk * p + me == plan.last_stage
             dy = jnp.where(is_last, zeros_x, carry["grads_in"][tabs["grad_slot"][t, me]])
-            dloss = jnp.where(is_last, scale, 0.0).astype(jnp.float32)
+            dloss = jnp.asarray(scale, jnp.float32)  # every stage may add auxiliary terms
             chunk_p, chunk_active = plan.chunk(stage_p, active, chunk)
             run = functools.partial(plan.composite, me, inputs, targets, micro, chunk,
                                     chunk_active)
-            _, vjp = jax.vjp(run, first_p, shared_p, chunk_p, last_p, x_in)
+            _, vjp, _ = jax.vjp(run, first_p, shared_p, chunk_p, last_p, x_in, has_aux=True)
             g_first, g_shared, g_chunk, g_last, dx = vjp((dy, dloss))
             add = lambda acc, g: jax.tree.map(jnp.add, acc, g)  # noqa: E731
             carry = dict(
@@ -207,16 +226,18 @@ def pipeline_value_and_grad(table: Table, mesh: Mesh, first_fn: Callable, stage_
             "acts": jnp.zeros((table.act_slots + 1, *x_shape.shape), x_shape.dtype),
             "grads_in": jnp.zeros((table.grad_slots + 1, *x_shape.shape), x_shape.dtype),
             "loss": jnp.zeros((), jnp.float32),
+            "metrics": plan.metric_zeros(stage_p, active, first_p, shared_p, inputs),
             "g_first": zeros(first_p), "g_shared": zeros(shared_p), "g_last": zeros(last_p),
             "g_stage": zeros(stage_p),
         }
         carry = jax.lax.fori_loop(0, table.ticks, tick, carry)
         g_ends = send_back((carry["g_first"], carry["g_last"], carry["g_shared"]))
         g_stage = jax.tree.map(lambda g: g[None], carry["g_stage"])
-        loss = jax.lax.psum(carry["loss"], (AXIS, *replicas))  # one rank per replica is non-zero
+        # Every rank's share (the loss from the last stage, each stage's auxiliary terms), summed.
+        loss, metrics = jax.lax.psum((carry["loss"], carry["metrics"]), (AXIS, *replicas))
         # Unreduced over the replicas: a leading [1] per replica, summed after the map.
         unreduced = jax.tree.map(lambda g: g[None], (g_ends, g_stage))
-        return loss, unreduced if replicas else (g_ends, g_stage)
+        return (loss, metrics), unreduced if replicas else (g_ends, g_stage)
 
     def value_and_grad(first_s, last_s, shared_s, stage_p, active, inputs_M, targets_M):
         replicas = plan.replicas()
@@ -227,12 +248,12 @@ def pipeline_value_and_grad(table: Table, mesh: Mesh, first_fn: Callable, stage_
 
         grads_spec = PartitionSpec(replicas, AXIS) if replicas else PartitionSpec(AXIS)
         mapped = plan.shard_map(run, replicas, (PartitionSpec(), grads_spec))
-        loss, (g_ends, g_stage) = mapped(first_s, last_s, shared_s, stage_p, active, inputs_M,
-                                         targets_M)
+        out, (g_ends, g_stage) = mapped(first_s, last_s, shared_s, stage_p, active, inputs_M,
+                                        targets_M)
         if replicas:  # the data-parallel reduction, once per step
             g_ends, g_stage = jax.tree.map(lambda g: g.sum(0), (g_ends, g_stage))
         g_first, g_last, g_shared = g_ends
-        return loss, (g_first, g_last, g_shared, g_stage)
+        return out, (g_first, g_last, g_shared, g_stage)
 
     return value_and_grad
 
@@ -260,10 +281,11 @@ def pipeline_loss(table: Table, mesh: Mesh, first_fn: Callable, stage_fn: Callab
             micro, chunk = tabs["microbatch"][t, me], tabs["chunk"][t, me]
             x_in = carry["acts"][tabs["act_slot"][t, me]]
             chunk_p, chunk_active = plan.chunk(stage_p, active, chunk)
-            y, loss = plan.composite(me, inputs, targets, micro, chunk, chunk_active, first_p,
-                                     shared_p, chunk_p, last_p, x_in)
+            (y, _), metrics = plan.composite(me, inputs, targets, micro, chunk, chunk_active,
+                                             first_p, shared_p, chunk_p, last_p, x_in)
             is_last = chunk * p + me == plan.last_stage
-            return dict(carry, loss=carry["loss"] + loss / m), jnp.where(is_last, zeros_x, y)
+            return (dict(carry, loss=carry["loss"] + metrics["loss"] / m),
+                    jnp.where(is_last, zeros_x, y))
 
         def tick(t, carry):
             carry, send = jax.lax.switch(tabs["kind"][t, me], (idle, forward), carry, t)
