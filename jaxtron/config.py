@@ -32,6 +32,7 @@ PACKINGS = ("stream", "documents")
 REMAT_POLICIES = ("none", "full", "save_dots")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "pallas")
 MODEL_TYPES = ("llama", "gpt2")
+ATTENTIONS = ("mha", "mla")
 PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved")
 
 
@@ -59,6 +60,16 @@ class ModelConfig:
                             "never materialised in full)", ("plain", "chunked"))
     loss_chunk_tokens: int = _f(2048, "tokens per chunk of the chunked cross-entropy")
     attention_impl: str = _f("auto", "attention kernel: auto, xla (reference), cudnn or pallas", ATTENTION_IMPLS)
+    attention: str = _f("mha", "mha: multi-head / grouped-query attention; mla: DeepSeek-V2/V3 "
+                        "multi-head latent attention (keys and values from a cached latent)",
+                        ATTENTIONS)
+    q_lora_rank: int | None = _f(None, "mla: width of the compressed query (null or 0 = a plain "
+                                 "query projection)")
+    kv_lora_rank: int = _f(64, "mla: width of the key/value latent that decoding caches")
+    qk_nope_head_dim: int = _f(32, "mla: per-head query/key width without rotary positions")
+    qk_rope_head_dim: int = _f(16, "mla: per-head query/key width with RoPE (the key part is "
+                               "shared by all heads)")
+    v_head_dim: int = _f(32, "mla: per-head value width")
 
     @property
     def kv_heads(self) -> int:
@@ -75,6 +86,17 @@ class ModelConfig:
     @property
     def resolved_head_dim(self) -> int:
         return self.head_dim or self.d_model // self.num_heads
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Per-head width of queries and keys (mla: the no-position part plus the rotary one)."""
+        if self.attention == "mla":
+            return self.qk_nope_head_dim + self.qk_rope_head_dim
+        return self.resolved_head_dim
+
+    @property
+    def value_head_dim(self) -> int:
+        return self.v_head_dim if self.attention == "mla" else self.resolved_head_dim
 
     @property
     def tied_embeddings(self) -> bool:
@@ -545,6 +567,7 @@ def validate(c: Config) -> None:
                                                  "stage")) <= 1,
            "only one of mesh.data, mesh.fsdp, mesh.tensor, mesh.sequence, mesh.expert, mesh.stage may "
            "be -1 (= the rest); give the others explicit values.")
+    _validate_mla(m)
     _validate_moe(c)
     _validate_pipeline(c)
     dist = c.distributed
@@ -560,6 +583,24 @@ def validate(c: Config) -> None:
         _check(total == -1 or total % dcn == 0,
                f"mesh.dcn_{name}={dcn} must divide mesh.{name}={total}: it is the cross-host "
                f"factor of that degree.")
+
+
+def _validate_mla(m: ModelConfig) -> None:
+    if m.attention != "mla":
+        return
+    _check(m.type == "llama", f"model.attention=mla needs model.type=llama (RoPE, RMSNorm); "
+           f"got model.type={m.type}.")
+    _check(m.num_kv_heads in (None, m.num_heads),
+           f"model.num_kv_heads={m.num_kv_heads} does not apply to model.attention=mla (every "
+           "head decompresses its own keys and values from the latent); set it to null.")
+    for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        _check(getattr(m, name) > 0, f"model.{name}={getattr(m, name)} must be a positive "
+               "integer with model.attention=mla.")
+    _check(m.q_lora_rank is None or m.q_lora_rank >= 0,
+           f"model.q_lora_rank={m.q_lora_rank} must be positive, or 0 / null for a plain "
+           "query projection.")
+    _check(m.qk_rope_head_dim % 2 == 0, f"model.qk_rope_head_dim={m.qk_rope_head_dim} must be "
+           "even: RoPE rotates pairs of dimensions.")
 
 
 def _validate_moe(c: Config) -> None:

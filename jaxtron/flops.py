@@ -9,7 +9,8 @@ the MLP, and the output head (tied or not); the embedding lookup and norms are e
 second term is attention: per layer and token, q.k and p.v cost 2 * H * K multiply-adds for each
 attended position, and causal masking attends to (L + 1) / 2 positions on average. The factor 6
 is 2 (forward multiply-add) x 3 (forward + two backward matmuls). Recompute from remat is not
-model FLOPs; it is reported separately as hardware FLOPs where measured.
+model FLOPs; it is reported separately as hardware FLOPs where measured. Multi-head latent
+attention counts its down- and up-projections, and H * (K_qk + V) in the attention term.
 """
 
 from __future__ import annotations
@@ -35,6 +36,10 @@ def matmul_params(m: ModelConfig, moe: MoEConfig | None = None) -> int:
     experts and the router count (the active parameters)."""
     d, h, g, k, f = m.d_model, m.num_heads, m.kv_heads, m.resolved_head_dim, m.mlp_dim
     attention = d * h * k + 2 * d * g * k + h * k * d
+    if m.attention == "mla":
+        qk, v, c = m.qk_head_dim, m.v_head_dim, m.kv_lora_rank
+        q = d * m.q_lora_rank + m.q_lora_rank * h * qk if m.q_lora_rank else d * h * qk
+        attention = q + d * (c + m.qk_rope_head_dim) + c * h * (m.qk_nope_head_dim + v) + h * v * d
     mlp = (3 if m.type == "llama" else 2) * d * f
     total = m.num_layers * (attention + mlp) + d * m.vocab_size
     if moe is not None and moe.enabled:
@@ -47,7 +52,8 @@ def matmul_params(m: ModelConfig, moe: MoEConfig | None = None) -> int:
 def attention_forward_flops_per_token(m: ModelConfig, seq_len: int) -> float:
     """Causal attention's two matmuls (scores, weighted values) over all layers, forward only:
     a token attends to (seq_len + 1) / 2 keys on average."""
-    return 2 * m.num_layers * 2 * m.num_heads * m.resolved_head_dim * (seq_len + 1) / 2
+    per_key = m.num_heads * (m.qk_head_dim + m.value_head_dim)  # 2 H K without MLA
+    return 2 * m.num_layers * per_key * (seq_len + 1) / 2
 
 
 def training_flops_per_token(m: ModelConfig, seq_len: int, moe: MoEConfig | None = None) -> float:

@@ -94,6 +94,9 @@ def _check_exportable(config: Config) -> None:
         raise ConfigError(f"model.type={m.type} cannot be exported: only llama maps onto "
                           "LlamaForCausalLM / MixtralForCausalLM; export a llama model, or use "
                           "--format orbax.")
+    if m.attention != "mha":
+        raise ConfigError(f"model.attention={m.attention} cannot be exported: Llama / Mixtral "
+                          "have multi-head attention; use --format orbax.")
     if moe.enabled:
         for ok, field, why in ((moe.every == 1, f"moe.every={moe.every}",
                                 "Mixtral has an MoE block in every layer; use moe.every=1"),

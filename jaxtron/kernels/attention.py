@@ -25,6 +25,13 @@ residuals are joined, and XLA then keeps a q-sized stacked buffer per layer that
 platform's kernel needed.) cuDNN can only be traced where cuDNN is installed, so on a machine
 without it the CUDA kernel is Triton.
 
+Values may be narrower or wider than queries and keys (multi-head latent attention: K = 192,
+V = 128 in DeepSeek-V3). XLA (blockwise and reference) and ring attention take that as it is;
+the Pallas kernels (Triton, interpret, splash) and cuDNN take one head dim, so `_run` pads the
+narrower side with zeros to the wider one and slices the output back (zero value columns give
+zero output columns; zero query/key columns leave the scores alone, q scaled so that the
+softmax keeps 1/sqrt(K)). The padding costs the kernel (K - V) / K more value traffic.
+
 When the step is traced on a mesh with a `sequence` axis (context parallelism), every
 implementation runs as ring attention, told by `sharding.zigzag.zigzag_ring()` whether the
 train step has put the sequence in its zig-zag order already. On other meshes the Pallas
@@ -118,12 +125,13 @@ def configured_kernel(config, platform: str, cudnn_here: bool = True) -> Kernel:
         return Kernel.RING
     m = config.model
     return kernel_for(m.attention_impl, platform, dtype=compute_dtype(m.dtype, platform),
-                      head_dim=m.resolved_head_dim, cudnn_here=cudnn_here,
+                      head_dim=max(m.qk_head_dim, m.value_head_dim), cudnn_here=cudnn_here,
                       segments=config.data.packing == "documents")
 
 
 def attention(q, k, v, *, causal: bool = True, segment_ids=None, impl="auto"):
-    """q_BxLxHxK, k/v_BxSxGxK -> out_BxLxHxK (G divides H: grouped-query attention)."""
+    """q_BxLxHxK, k_BxSxGxK, v_BxSxGxK' -> out_BxLxHxK' (G divides H: grouped-query attention;
+    K' = K except in multi-head latent attention)."""
     impl = AttentionImpl(impl)
     mesh = active_mesh()
     ring = mesh.shape.get("sequence", 1) if mesh is not None else 1
@@ -137,7 +145,8 @@ def attention(q, k, v, *, causal: bool = True, segment_ids=None, impl="auto"):
     # JAX's cuDNN mask is top-left aligned; with fewer queries than keys every other kernel
     # aligns bottom-right, so such calls do not go to cuDNN (as with packed segments).
     unaligned = causal and q.shape[1] != k.shape[1]
-    choose = functools.partial(kernel_for, impl, dtype=q.dtype, head_dim=q.shape[-1],
+    choose = functools.partial(kernel_for, impl, dtype=q.dtype,
+                               head_dim=max(q.shape[-1], v.shape[-1]),
                                segments=segment_ids is not None or unaligned,
                                cudnn_here=cudnn_present())
     if impl is AttentionImpl.CUDNN:
@@ -161,6 +170,8 @@ def _run(kernel: Kernel, q, k, v, segment_ids, *, causal: bool, mesh):
         if causal and q.shape[1] == k.shape[1]:
             return blockwise_causal_attention(q, k, v, segment_ids=segment_ids)
         return reference_attention(q, k, v, causal=causal, segment_ids=segment_ids)
+    if q.shape[-1] != v.shape[-1]:
+        return _run_equal_dims(kernel, q, k, v, segment_ids, causal=causal, mesh=mesh)
     if kernel is Kernel.CUDNN:
         return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
     pallas = {Kernel.TRITON: functools.partial(flash_attention, interpret=False),
@@ -173,3 +184,17 @@ def _run(kernel: Kernel, q, k, v, segment_ids, *, causal: bool, mesh):
     if mesh is not None and any(size > 1 for size in mesh.shape.values()):
         return per_device(local, q, k, v, segment_ids, mesh)
     return local(q, k, v, segment_ids)
+
+
+def _run_equal_dims(kernel: Kernel, q, k, v, segment_ids, *, causal: bool, mesh):
+    """A one-head-dim kernel on q/k of width K and v of width V != K (see the module doc)."""
+    k_dim, v_dim = q.shape[-1], v.shape[-1]
+    width = max(k_dim, v_dim)
+
+    def pad(x):
+        return jnp.pad(x, [(0, 0)] * 3 + [(0, width - x.shape[-1])])
+
+    if k_dim < width:  # the kernel scales by 1/sqrt(width): undo it on q
+        q = q * jnp.asarray((width / k_dim) ** 0.5, q.dtype)
+    out = _run(kernel, pad(q), pad(k), pad(v), segment_ids, causal=causal, mesh=mesh)
+    return out[..., :v_dim]

@@ -1,7 +1,8 @@
 """Plain-jnp attention: the reference every other implementation is tested against.
 
 Grouped-query attention is computed by folding the query heads of each kv group into an extra
-axis, so k and v are never repeated in memory. Shapes: q_BxLxHxK, k/v_BxSxGxK with H = G * R.
+axis, so k and v are never repeated in memory. Shapes: q_BxLxHxK, k/v_BxSxGxK with H = G * R;
+v may have its own head dim (multi-head latent attention), the output then has v's.
 """
 
 import jax
@@ -26,4 +27,4 @@ def reference_attention(q, k, v, *, causal: bool, segment_ids=None):
     logits_BxGxRxLxS = jnp.where(mask, logits_BxGxRxLxS, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(logits_BxGxRxLxS, axis=-1).astype(v.dtype)
     out_BxLxGxRxK = jnp.einsum("bgrls,bsgk->blgrk", probs, v)
-    return out_BxLxGxRxK.reshape(batch, q_len, num_heads, head_dim)
+    return out_BxLxGxRxK.reshape(batch, q_len, num_heads, v.shape[-1])

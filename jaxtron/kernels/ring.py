@@ -254,7 +254,8 @@ def _forward(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, segment_ids_BxL, n: int, causal: b
     k, v = (x.transpose(0, 2, 1, 3) for x in (k_BxSxGxK, v_BxSxGxK))
     blocks, q_seg = _blocks(k, v, segment_ids_BxL)
     stats = jnp.zeros(q.shape[:-1], jnp.float32)
-    state = _varying(jnp.zeros(q.shape, jnp.float32), stats + NEG, stats)
+    o = jnp.zeros((*q.shape[:-1], v.shape[-1]), jnp.float32)  # v's head dim may differ (MLA)
+    state = _varying(o, stats + NEG, stats)
 
     def work(state, blocks, rows, keys, masked):
         k, v = (_get(x, 2, keys) for x in blocks[:2])

@@ -7,6 +7,7 @@ from flax import nnx
 
 from jaxtron.config import ModelConfig, MoEConfig
 from jaxtron.models.layers import MLP, Attention, make_norm
+from jaxtron.models.mla import MLAttention
 from jaxtron.models.moe import MoE
 from jaxtron.models.token_layout import PLAIN, TokenLayout
 from jaxtron.sharding.rules import constrain
@@ -22,7 +23,7 @@ class Block(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, moe: MoEConfig | None = None):
         self.attn_norm = make_norm(cfg, rngs)
-        self.attn = Attention(cfg, rngs)
+        self.attn = MLAttention(cfg, rngs) if cfg.attention == "mla" else Attention(cfg, rngs)
         self.mlp_norm = make_norm(cfg, rngs)
         self.mlp = MoE(cfg, moe, rngs) if moe is not None else MLP(cfg, rngs)
         self.is_moe = moe is not None

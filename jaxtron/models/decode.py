@@ -10,7 +10,9 @@ and it reads the same parameters (`attn.wq`, ...), so training code is untouched
 
 Cache: `{"k", "v"}` each [N, B, S, G, K] (N layers in execution order, S the longest sequence the
 cache holds). New rows are written at `position` with `lax.dynamic_update_slice`, so one compiled
-step serves every position; slots past the current position are masked, never read.
+step serves every position; slots past the current position are masked, never read. A
+multi-head latent attention model (`model.attention=mla`) caches `{"latent", "k_pe"}` instead,
+[N, B, S, C] and [N, B, S, P], and attends with `mla.cached_attention`.
 
 Mixture of experts: capacity-mode routing lets the tokens of a sequence compete for slots, which a
 decoder cannot reproduce (the future tokens do not exist yet). Decoding therefore routes every
@@ -27,13 +29,17 @@ from flax import nnx
 
 from jaxtron.config import ModelConfig
 from jaxtron.models.blocks import Block
+from jaxtron.models import mla
 from jaxtron.models.layers import Attention
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> dict:
-    """Zeroed k/v caches [N, B, S, G, K] in the compute dtype (or `dtype`)."""
-    shape = (cfg.num_layers, batch, max_len, cfg.kv_heads, cfg.resolved_head_dim)
+    """Zeroed k/v caches [N, B, S, G, K] (mla: latent caches) in the compute dtype (or
+    `dtype`)."""
     dt = jnp.dtype(dtype or cfg.compute_dtype)
+    if cfg.attention == "mla":
+        return mla.init_cache(cfg, batch, max_len, dt)
+    shape = (cfg.num_layers, batch, max_len, cfg.kv_heads, cfg.resolved_head_dim)
     return {"k": jnp.zeros(shape, dt), "v": jnp.zeros(shape, dt)}
 
 
@@ -65,10 +71,11 @@ def masked_attention(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, positions_L):
     return out_BxLxGxRxK.reshape(b, length, h, k)
 
 
-def cached_attention(attn: Attention, x_BxLxD, k_BxSxGxK, v_BxSxGxK, position):
+def cached_attention(attn: Attention, x_BxLxD, cache: dict, position):
     """`Attention.__call__` against a cache holding positions 0..position-1 -> (out_BxLxD,
-    k_BxLxGxK, v_BxLxGxK): the new rows, for the caller to write at `position`."""
+    {"k": k_BxLxGxK, "v": v_BxLxGxK}): the new rows, for the caller to write at `position`."""
     dt = x_BxLxD.dtype
+    k_BxSxGxK, v_BxSxGxK = cache["k"], cache["v"]
     positions_L = position + jnp.arange(x_BxLxD.shape[1])
     q_BxLxHxK, k_BxLxGxK, v_BxLxGxK = attn.project_qkv(x_BxLxD, positions_L)
     k_BxLxGxK, v_BxLxGxK = k_BxLxGxK.astype(k_BxSxGxK.dtype), v_BxLxGxK.astype(v_BxSxGxK.dtype)
@@ -78,14 +85,13 @@ def cached_attention(attn: Attention, x_BxLxD, k_BxSxGxK, v_BxSxGxK, position):
     out_BxLxHxK = masked_attention(q_BxLxHxK, k_BxSxGxK.astype(dt), v_BxSxGxK.astype(dt),
                                    positions_L)
     out_BxLxD = attn.project_out(out_BxLxHxK)
-    return out_BxLxD, k_BxLxGxK, v_BxLxGxK
+    return out_BxLxD, {"k": k_BxLxGxK, "v": v_BxLxGxK}
 
 
-def block_step(block: Block, x_BxLxD, k_BxSxGxK, v_BxSxGxK, position):
-    """`Block.__call__` against a cache -> (x_BxLxD, k_BxLxGxK, v_BxLxGxK), the last two the
-    new cache rows."""
-    h_BxLxD, k_BxLxGxK, v_BxLxGxK = cached_attention(block.attn, block.attn_norm(x_BxLxD),
-                                                     k_BxSxGxK, v_BxSxGxK, position)
+def block_step(block: Block, x_BxLxD, cache: dict, position):
+    """`Block.__call__` against one layer's cache -> (x_BxLxD, the new cache rows)."""
+    attend = mla.cached_attention if isinstance(block.attn, mla.MLAttention) else cached_attention
+    h_BxLxD, rows = attend(block.attn, block.attn_norm(x_BxLxD), cache, position)
     x_BxLxD = x_BxLxD + h_BxLxD
     h_BxLxD = block.mlp_norm(x_BxLxD)
     if block.is_moe:
@@ -93,7 +99,7 @@ def block_step(block: Block, x_BxLxD, k_BxSxGxK, v_BxSxGxK, position):
         y_BxLxD = block.mlp(h_BxLxD.reshape(b * length, 1, d))[0].reshape(b, length, d)
     else:
         y_BxLxD = block.mlp(h_BxLxD)
-    return x_BxLxD + y_BxLxD, k_BxLxGxK, v_BxLxGxK
+    return x_BxLxD + y_BxLxD, rows
 
 
 def unit_blocks(unit) -> list[Block]:
@@ -103,7 +109,7 @@ def unit_blocks(unit) -> list[Block]:
 
 
 def forward_cached(model, cache: dict, tokens_BxL, position):
-    """Tokens at positions position..position+L-1 -> (logits_BxLxV, cache with their k/v).
+    """Tokens at positions position..position+L-1 -> (logits_BxLxV, cache with their rows).
 
     The cache must already hold positions 0..position-1 (prefill: position 0, empty cache)."""
     position = jnp.asarray(position, jnp.int32)
@@ -113,19 +119,17 @@ def forward_cached(model, cache: dict, tokens_BxL, position):
     per_unit = model.cfg.num_layers // units
 
     def body(carry, layer):
-        x, k_NxBxSxGxK, v_NxBxSxGxK = carry
+        x, cache = carry  # each entry [N, B, S, ...]
         layer_state, unit_index = layer
         for j, block in enumerate(unit_blocks(nnx.merge(graphdef, layer_state))):
             n = unit_index * per_unit + j
-            x, k_BxLxGxK, v_BxLxGxK = block_step(block, x, k_NxBxSxGxK[n], v_NxBxSxGxK[n],
-                                                 position)
+            x, rows = block_step(block, x, {name: c[n] for name, c in cache.items()}, position)
             # Write back only the new rows: with the cache donated the update is in place.
-            start = (n, 0, position, 0, 0)
-            k_NxBxSxGxK = jax.lax.dynamic_update_slice(k_NxBxSxGxK, k_BxLxGxK[None], start)
-            v_NxBxSxGxK = jax.lax.dynamic_update_slice(v_NxBxSxGxK, v_BxLxGxK[None], start)
-        return (x, k_NxBxSxGxK, v_NxBxSxGxK), None
+            cache = {name: jax.lax.dynamic_update_slice(
+                c, rows[name][None], (n, 0, position) + (0,) * (c.ndim - 3))
+                for name, c in cache.items()}
+        return (x, cache), None
 
-    (x_BxLxD, k, v), _ = jax.lax.scan(body, (x_BxLxD, cache["k"], cache["v"]),
-                                      (stacked, jnp.arange(units)))
+    (x_BxLxD, cache), _ = jax.lax.scan(body, (x_BxLxD, cache), (stacked, jnp.arange(units)))
     logits_BxLxV = model.head(x_BxLxD, model.embedder.embed[...])
-    return logits_BxLxV, {"k": k, "v": v}
+    return logits_BxLxV, cache

@@ -10,6 +10,10 @@ reduce-scatters its gradients), `tensor` gives Megatron's column-then-row split 
 per block, and the batch is split over both data axes and the expert axis (outside the
 experts, expert-parallel ranks are data-parallel ranks). There are no fallbacks that depend on
 order: every name has exactly one rule, checked when the rules are built.
+
+Multi-head latent attention (`models/mla.py`) adds one name, `latent`, never split:
+W_dkv[D_fsdp, latent] and W_ukv[latent, H_tensor, K], so every tensor rank computes the small
+shared latent and decompresses only its own heads.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from jaxtron.config import Config
 from jaxtron.errors import ConfigError
 
 LOGICAL_AXES = ("batch", "seq", "residual_seq", "embed", "heads", "kv_heads", "head_dim", "mlp",
-                "vocab", "expert", "layers", "stage")
+                "vocab", "expert", "layers", "stage", "latent")
 
 Rules = dict[str, tuple[str, ...]]
 
@@ -36,7 +40,8 @@ def param_rules(config: Config) -> Rules:
     del config  # the same placement serves every layout; absent mesh axes have size 1
     return {"batch": (), "seq": (), "residual_seq": (), "embed": ("fsdp",),
             "heads": ("tensor",), "kv_heads": ("tensor",), "head_dim": (), "mlp": ("tensor",),
-            "vocab": ("tensor",), "expert": ("expert",), "layers": (), "stage": ("stage",)}
+            "vocab": ("tensor",), "expert": ("expert",), "layers": (), "stage": ("stage",),
+            "latent": ()}
 
 
 def optimizer_rules(config: Config) -> Rules:
@@ -57,7 +62,7 @@ def activation_rules(config: Config) -> Rules:
             "residual_seq": ("sequence", *sp),
             "embed": (), "heads": ("tensor",), "kv_heads": ("tensor",), "head_dim": (),
             "mlp": ("tensor",), "vocab": ("tensor",), "expert": ("expert",), "layers": (),
-            "stage": ("stage",)}
+            "stage": ("stage",), "latent": ()}
 
 
 # Logical axes that fall back to replication when their size does not divide the mesh axes:
