@@ -119,6 +119,14 @@ class MoEConfig:
                    ("capacity", "dropless"))
     capacity_factor: float = _f(1.25, "slots per expert per sequence = ceil(factor * seq_len * "
                                 "top_k / num_experts)")
+    score: str = _f("softmax", "router score: softmax over all experts, or sigmoid per expert "
+                    "with the chosen k scores normalised to sum 1 (DeepSeek-V3; moe.router is "
+                    "then unused and must stay topk_then_softmax)", ("softmax", "sigmoid"))
+    route_scale: float = _f(1.0, "factor on the combine weights (DeepSeek-V3: 2.5)")
+    route_groups: int = _f(1, "experts split into this many equal groups for group-limited "
+                           "routing (DeepSeek-V3 node-limited; 1 = off)")
+    route_top_groups: int = _f(1, "each token chooses its top_k among the experts of its best "
+                               "route_top_groups groups (a group scores the sum of its 2 best)")
     aux_loss_coef: float = _f(0.01, "weight of the Switch load-balancing loss")
     z_loss_coef: float = _f(0.001, "weight of the router z-loss")
 
@@ -619,6 +627,20 @@ def _validate_moe(c: Config) -> None:
     _check(expert == -1 or moe.num_experts % expert == 0,
            f"moe.num_experts={moe.num_experts} must be divisible by mesh.expert={expert} so "
            "every expert-parallel rank holds whole experts.")
+    _check(moe.score == "softmax" or moe.router == "topk_then_softmax",
+           f"moe.router={moe.router} has no meaning with moe.score={moe.score} (the weights are "
+           "the chosen scores normalised to sum 1); use moe.router=topk_then_softmax.")
+    _check(moe.route_scale > 0, f"moe.route_scale={moe.route_scale} must be > 0.")
+    groups, top_groups = moe.route_groups, moe.route_top_groups
+    _check(groups >= 1 and moe.num_experts % groups == 0,
+           f"moe.route_groups={groups} must divide moe.num_experts={moe.num_experts} into equal "
+           "groups; pick a divisor (1 = no group-limited routing).")
+    _check(1 <= top_groups <= groups, f"moe.route_top_groups={top_groups} must lie between 1 and "
+           f"moe.route_groups={groups}.")
+    reachable = top_groups * (moe.num_experts // groups)
+    _check(moe.top_k <= reachable, f"moe.top_k={moe.top_k} exceeds the {reachable} experts of "
+           f"moe.route_top_groups={top_groups} groups; raise moe.route_top_groups or lower "
+           "moe.top_k.")
     _check(c.mesh.stage == 1, "mixture-of-experts models with mesh.stage > 1 are not supported "
            "in this version; set mesh.stage=1.")
 

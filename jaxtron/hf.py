@@ -104,7 +104,13 @@ def _check_exportable(config: Config) -> None:
                                 "Mixtral has no shared experts; use moe.shared_experts=0"),
                                (moe.router == "topk_then_softmax", f"moe.router={moe.router}",
                                 "Mixtral renormalises the top-k weights; use "
-                                "moe.router=topk_then_softmax")):
+                                "moe.router=topk_then_softmax"),
+                               (moe.score == "softmax", f"moe.score={moe.score}",
+                                "Mixtral's router is a softmax; use moe.score=softmax"),
+                               (moe.route_groups == 1, f"moe.route_groups={moe.route_groups}",
+                                "Mixtral routes over all experts; use moe.route_groups=1"),
+                               (moe.route_scale == 1.0, f"moe.route_scale={moe.route_scale}",
+                                "Mixtral's weights are unscaled; use moe.route_scale=1")):
             if not ok:
                 raise ConfigError(f"{field} cannot be exported as {MIXTRAL}: {why}; change {field} "
                                   "or use --format orbax.")

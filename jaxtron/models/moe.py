@@ -2,9 +2,13 @@
 
 Routing: a linear router scores every expert; `topk_then_softmax` normalises over the k chosen
 logits (Mixtral), `softmax_then_topk` keeps the full-softmax probabilities of the k best
-(Switch, GShard). Auxiliary losses: the Switch load-balancing loss E * sum_e f_e * P_e (f_e the
-fraction of assignments to expert e, P_e its mean router probability) and the router z-loss
-mean(logsumexp(logits)^2) (Zoph et al. 2022, ST-MoE).
+(Switch, GShard). `score: sigmoid` (DeepSeek-V3, arXiv:2412.19437 eq. 13-16) scores each
+expert with its own sigmoid and normalises the k chosen scores; `route_groups` and
+`route_top_groups` (DeepSeek-V3's node-limited routing) let a token choose only among the
+experts of its best groups, a group scoring the sum of its two best experts. Auxiliary losses:
+the Switch load-balancing loss E * sum_e f_e * P_e (f_e the fraction of assignments to expert
+e, P_e its mean router probability) and the router z-loss mean(logsumexp(logits)^2) (Zoph et
+al. 2022, ST-MoE).
 
 Execution, chosen by `moe.mode`:
 - `capacity`: each sequence gives every expert C = ceil(factor * L * k / E) slots. Assignments
@@ -53,14 +57,51 @@ def top_k(x_BxLxE, k: int):
     return -negated[..., :k], index[..., :k]
 
 
-def route(logits_BxLxE, k: int, order: str):
-    """-> (weights_BxLxK, experts_BxLxK, probs_BxLxE) with probs the full softmax."""
-    probs = jax.nn.softmax(logits_BxLxE, axis=-1)
-    if order == "softmax_then_topk":
-        weights, experts = top_k(probs, k)
+def group_mask(scores_BxLxE, groups: int, top_groups: int):
+    """Experts of each token's `top_groups` best groups (DeepSeek-V3 node-limited routing).
+
+    The E experts split into `groups` equal consecutive groups; a group scores the sum of its
+    two best experts (its best one when a group holds a single expert). -> bool [B, L, E]."""
+    b, length, e = scores_BxLxE.shape
+    per_group = e // groups
+    scores_BxLxGxS = scores_BxLxE.reshape(b, length, groups, per_group)
+    best_BxLxGx2, _ = top_k(scores_BxLxGxS, min(2, per_group))
+    _, chosen_BxLxT = top_k(best_BxLxGx2.sum(axis=-1), top_groups)
+    keep_BxLxG = jax.nn.one_hot(chosen_BxLxT, groups, dtype=jnp.int32).sum(axis=-2) > 0
+    return jnp.repeat(keep_BxLxG, per_group, axis=-1)
+
+
+def route(logits_BxLxE, k: int, order: str, *, score: str = "softmax", groups: int = 1,
+          top_groups: int = 1, scale: float = 1.0):
+    """-> (weights_BxLxK, experts_BxLxK, probs_BxLxE).
+
+    score=softmax: probs is the full softmax; `order` says whether the weights are the softmax
+    of the k chosen logits or the chosen full-softmax probabilities. score=sigmoid (DeepSeek-V3):
+    the top-k is taken on sigmoid(logits) and the weights are the chosen scores normalised to
+    sum 1 (for k > 1; one expert keeps its raw score so the router still learns, as in
+    DeepSeek-V3 and Megatron); probs, the load-balancing loss's probabilities, are the scores
+    normalised per token. With `groups` > 1 a token picks its k experts only among the experts
+    of its `top_groups` best groups (`group_mask`), scored on the softmax probabilities or the
+    sigmoid scores. `scale` multiplies the weights (DeepSeek-V3: 2.5)."""
+    if score == "sigmoid":
+        scores = jax.nn.sigmoid(logits_BxLxE)
+        probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
+        ranked = scores
     else:
-        top_logits, experts = top_k(logits_BxLxE, k)
-        weights = jax.nn.softmax(top_logits, axis=-1)
+        scores = probs = jax.nn.softmax(logits_BxLxE, axis=-1)
+        # softmax is monotone: the k best logits are the k best probabilities
+        ranked = probs if order == "softmax_then_topk" else logits_BxLxE
+    if groups > 1:  # the other groups' experts cannot be chosen
+        ranked = jnp.where(group_mask(scores, groups, top_groups), ranked, -jnp.inf)
+    top_values, experts = top_k(ranked, k)
+    if score == "sigmoid":
+        weights = top_values / jnp.sum(top_values, axis=-1, keepdims=True) if k > 1 else top_values
+    elif order == "softmax_then_topk":
+        weights = top_values
+    else:
+        weights = jax.nn.softmax(top_values, axis=-1)
+    if scale != 1.0:
+        weights = weights * scale
     return weights, experts, probs
 
 
@@ -138,7 +179,9 @@ class MoE(nnx.Module):
         b, length, _ = x_BxLxD.shape
         logits_BxLxE = jnp.einsum("bld,de->ble", x_BxLxD.astype(jnp.float32),
                                   self.router[...].astype(jnp.float32))
-        weights_BxLxK, experts_BxLxK, probs = route(logits_BxLxE, moe.top_k, moe.router)
+        weights_BxLxK, experts_BxLxK, probs = route(
+            logits_BxLxE, moe.top_k, moe.router, score=moe.score, groups=moe.route_groups,
+            top_groups=moe.route_top_groups, scale=moe.route_scale)
         balance, fraction_E = load_balancing_loss(probs, experts_BxLxK)
         weights = (self.w_gate[...].astype(dt), self.w_up[...].astype(dt),
                    self.w_down[...].astype(dt))
