@@ -641,8 +641,6 @@ def _validate_moe(c: Config) -> None:
     _check(moe.top_k <= reachable, f"moe.top_k={moe.top_k} exceeds the {reachable} experts of "
            f"moe.route_top_groups={top_groups} groups; raise moe.route_top_groups or lower "
            "moe.top_k.")
-    _check(c.mesh.stage == 1, "mixture-of-experts models with mesh.stage > 1 are not supported "
-           "in this version; set mesh.stage=1.")
 
 
 def _validate_pipeline(c: Config) -> None:
@@ -654,8 +652,6 @@ def _validate_pipeline(c: Config) -> None:
         return
     _check(stages > 1, f"mesh.stage={stages} must be an explicit degree (-1 is not allowed for "
            "the pipeline axis).")
-    _check(c.mesh.sequence == 1, "mesh.stage > 1 with mesh.sequence > 1 (pipeline with "
-           "context parallelism) is not supported; set one of them to 1.")
     v, m = pp.virtual_stages, pp.microbatches
     if pp.schedule == "interleaved":
         _check(v >= 2, f"pipeline.schedule=interleaved needs pipeline.virtual_stages >= 2 "
@@ -665,10 +661,13 @@ def _validate_pipeline(c: Config) -> None:
     else:
         _check(v == 1, f"pipeline.virtual_stages={v} needs pipeline.schedule=interleaved.")
     n_virtual = stages * v
+    every = c.moe.every if c.moe.enabled else 1  # MoE models split in groups of `every` blocks
     if pp.layers_per_stage is None:
-        _check(c.model.num_layers >= n_virtual,
+        _check(c.model.num_layers // every >= n_virtual,
                f"model.num_layers={c.model.num_layers} cannot be split over mesh.stage x "
-               f"pipeline.virtual_stages = {n_virtual} pipeline stages; use fewer stages.")
+               f"pipeline.virtual_stages = {n_virtual} pipeline stages"
+               + (f" in groups of moe.every={every} blocks" if every > 1 else "")
+               + "; use fewer stages.")
     else:
         counts = pp.layers_per_stage
         _check(len(counts) == n_virtual and sum(counts) == c.model.num_layers
@@ -676,6 +675,9 @@ def _validate_pipeline(c: Config) -> None:
                f"pipeline.layers_per_stage={list(counts)} must list {n_virtual} positive layer "
                f"counts (mesh.stage x pipeline.virtual_stages) summing to model.num_layers="
                f"{c.model.num_layers}.")
+        _check(all(count % every == 0 for count in counts),
+               f"pipeline.layers_per_stage={list(counts)} must be multiples of moe.every="
+               f"{every}: a stage holds whole groups of dense blocks and their MoE block.")
     per_step = c.train.batch_size // c.optim.grad_accum
     _check(per_step % m == 0, f"train.batch_size / optim.grad_accum = {per_step} must be "
            f"divisible by pipeline.microbatches={m}.")

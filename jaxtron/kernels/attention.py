@@ -49,13 +49,14 @@ from jax import lax
 
 from jaxtron.errors import ConfigError
 from jaxtron.kernels.blockwise import blockwise_causal_attention
+from jaxtron.kernels.context_gather import gathered_context_attention
 from jaxtron.kernels.flash import flash_attention
 from jaxtron.kernels.per_device import per_device
 from jaxtron.kernels.reference import reference_attention
 from jaxtron.kernels.ring import ring_attention
 from jaxtron.kernels.splash import splash_attention
 from jaxtron.platforms import PLATFORMS, compute_dtype, cudnn_present, target_platform
-from jaxtron.sharding.rules import active_mesh
+from jaxtron.sharding.rules import active_mesh, manual_axes
 from jaxtron.sharding.zigzag import zigzag_ring
 
 
@@ -140,8 +141,11 @@ def attention(q, k, v, *, causal: bool = True, segment_ids=None, impl="auto"):
         raise ValueError(f"the sequence is in zig-zag order for a ring of {ordered_for}, but the "
                          f"active mesh has sequence={ring}: trace the step on its own mesh.")
     if ring > 1:
-        return ring_attention(q, k, v, mesh=mesh, causal=causal, zigzag=ordered_for == ring,
-                              segment_ids=segment_ids)
+        # Inside a pipeline stage (`stage` manual) the ring's collective-permutes would
+        # deadlock XLA:CPU's conditional ticks: gather k/v instead (context_gather.py).
+        cp = gathered_context_attention if "stage" in manual_axes() else ring_attention
+        return cp(q, k, v, mesh=mesh, causal=causal, zigzag=ordered_for == ring,
+                  segment_ids=segment_ids)
     # JAX's cuDNN mask is top-left aligned; with fewer queries than keys every other kernel
     # aligns bottom-right, so such calls do not go to cuDNN (as with packed segments).
     unaligned = causal and q.shape[1] != k.shape[1]

@@ -44,7 +44,7 @@ from jaxtron.config import ModelConfig, MoEConfig
 from jaxtron.models.activations import swiglu
 from jaxtron.models.layers import MLP, normal, param
 from jaxtron.sharding.experts import expert_ffn, expert_parallel_active
-from jaxtron.sharding.rules import constrain
+from jaxtron.sharding.rules import constrain, mean_over_batch_shards
 
 
 def top_k(x_BxLxE, k: int):
@@ -106,10 +106,15 @@ def route(logits_BxLxE, k: int, order: str, *, score: str = "softmax", groups: i
 
 
 def load_balancing_loss(probs_BxLxE, experts_BxLxK):
-    """Switch Transformer eq. 4, generalised to top-k: E * sum_e f_e * P_e."""
+    """Switch Transformer eq. 4, generalised to top-k: E * sum_e f_e * P_e.
+
+    f_e (no gradient: it counts argmax choices) is the whole batch's, also where a rank sees only
+    its rows (data-parallel reduction, pipeline replicas); P_e stays the rank's own, so the mean
+    over ranks of their losses, and of their gradients, is the whole batch's, as on one
+    device."""
     num_experts = probs_BxLxE.shape[-1]
     counts_E = jax.nn.one_hot(experts_BxLxK, num_experts).sum(axis=(0, 1, 2))
-    fraction_E = counts_E / experts_BxLxK.size
+    fraction_E = mean_over_batch_shards(jax.lax.stop_gradient(counts_E / experts_BxLxK.size))
     mean_prob_E = probs_BxLxE.reshape(-1, num_experts).mean(axis=0)
     return num_experts * jnp.sum(fraction_E * mean_prob_E), fraction_E
 

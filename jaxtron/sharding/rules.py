@@ -177,6 +177,19 @@ def manual_axes() -> set[str]:
     return set() if context.empty else set(context.manual_axes)
 
 
+# Mesh axes the batch may be split over: inside a shard_map that makes some of them manual (the
+# data-parallel reduction, the pipeline's replicas), each rank sees only its own rows.
+BATCH_MESH_AXES = ("data", "fsdp", "expert")
+
+
+def mean_over_batch_shards(x: jax.Array) -> jax.Array:
+    """`x` (a mean over this rank's rows) averaged over the ranks holding the other rows of the
+    batch where an enclosing shard_map made batch axes manual: the mean over the whole batch.
+    Elsewhere GSPMD already computes batch-wide means, and `x` is returned as it is."""
+    axes = tuple(a for a in BATCH_MESH_AXES if a in manual_axes())
+    return jax.lax.pmean(x, axes) if axes else x
+
+
 def shard_map_mesh(mesh: Mesh):
     """The mesh to give a shard_map: inside another shard_map (the data-parallel reduction's
     over `data`, the pipeline's over `stage`) JAX wants the context mesh, whose axes record
