@@ -37,6 +37,16 @@ def test_predicted_memory_is_close_to_xlas_compiled_memory():
     assert sum(errors) / len(errors) < 0.10 and max(errors) <= 0.10
 
 
+def test_predicted_moe_memory_is_close_to_xlas_compiled_memory():
+    # Expert parallelism, an MoE pipeline (experts split inside its stages), dropless.
+    for layout, extra in validate.MOE_MATRIX:
+        [row] = validate.run((layout,), validate.BASE + validate.MOE + list(extra))
+        error = abs(row.predicted_bytes - row.compiled_bytes) / row.compiled_bytes
+        print(f"{layout.describe()} {extra}: predicted {row.predicted_bytes / MiB:.2f} MiB, "
+              f"XLA {row.compiled_bytes / MiB:.2f} MiB, {error:.1%}")
+        assert error <= 0.10, (layout, extra, error)
+
+
 def test_parameter_and_optimizer_bytes_are_exact():
     config = small_config()
     for layout in (Layout(fsdp=8), Layout(data=2, tensor=4, zero_stage=1)):

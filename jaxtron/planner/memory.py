@@ -160,19 +160,69 @@ def layer_activation_bytes(config: Config, layout: Layout, tokens: int, policy: 
     hk, gk = m.num_heads * m.resolved_head_dim, m.kv_heads * m.resolved_head_dim
     if policy == "full":
         return e * tokens * m.d_model / r
-    dots = 2 * hk / t + 2 * gk / kv_split + 2 * _mlp_width(config) / t + 2 * m.d_model / r
+    dots = 2 * hk / t + 2 * gk / kv_split + 2 * _mlp_width(config, layout) / t + 2 * m.d_model / r
     norm_saves = 1 if m.type == "llama" else 3
     full = (2 * (2 + norm_saves) * m.d_model / r + 2 * hk / t
-            + 2 * gk / kv_split + (3 if m.type == "llama" else 2) * _mlp_width(config) / t)
+            + 2 * gk / kv_split + (3 if m.type == "llama" else 2) * _mlp_width(config, layout) / t)
     per_token = dots if policy == "save_dots" else full
-    return e * tokens * per_token
+    moe_layers = 1 / config.moe.every if config.moe.enabled else 0.0  # MoE blocks per block
+    moe_rows = _moe_routing_elements(config, layout)
+    if config.moe.enabled and layout.expert > 1 and policy != "full":
+        # Under expert parallelism the SwiGLU input of the exchanged rows is kept once more.
+        moe_rows += _expert_slots(config, layout) * (config.moe.expert_mlp_dim or m.mlp_dim) / t
+    return e * tokens * (per_token + moe_layers * moe_rows)
 
 
-def _mlp_width(config: Config) -> int:
+def _slotted(config: Config, layout: Layout) -> bool:
+    """Whether experts run on fixed slots: capacity mode, and dropless under expert parallelism
+    (which runs the capacity path with L slots per expert)."""
+    return config.moe.mode == "capacity" or layout.expert > 1
+
+
+def _capacity(config: Config, layout: Layout) -> int:
+    from jaxtron.models.moe import capacity
+    moe, length = config.moe, config.data.seq_len
+    if moe.mode == "dropless":
+        return length
+    return capacity(length, moe.top_k, moe.num_experts, moe.capacity_factor)
+
+
+def _expert_slots(config: Config, layout: Layout) -> float:
+    """Expert rows computed per token: top_k (dropless), or every expert's slots, E x C / L
+    (slotted experts compute their slots whether filled or not)."""
     moe = config.moe
-    if moe.enabled:  # per token: top_k routed experts (dropless) or the capacity slots
-        return (moe.top_k + moe.shared_experts) * (moe.expert_mlp_dim or config.model.mlp_dim)
+    if not _slotted(config, layout):
+        return moe.top_k
+    return moe.num_experts * _capacity(config, layout) / config.data.seq_len
+
+
+def _mlp_width(config: Config, layout: Layout) -> float:
+    moe = config.moe
+    if moe.enabled:  # per token: the routed expert rows and the shared experts
+        expert = moe.expert_mlp_dim or config.model.mlp_dim
+        return (_expert_slots(config, layout) + moe.shared_experts) * expert
     return config.model.mlp_dim
+
+
+def _moe_routing_elements(config: Config, layout: Layout) -> float:
+    """Per token, what an MoE layer keeps beyond its expert hidden rows: each expert row's input
+    and output, and for slotted experts the one-hot dispatch and combine tensors [L, E, C]."""
+    moe = config.moe
+    if not moe.enabled:
+        return 0.0
+    rows = 2 * _expert_slots(config, layout) * config.model.d_model
+    if _slotted(config, layout):
+        rows += 2 * moe.num_experts * _capacity(config, layout)
+    return rows
+
+
+def expert_block_bytes(config: Config, layout: Layout) -> float:
+    """One MoE layer's routed-expert weights on this device."""
+    degrees, rules = layout.degrees(), param_rules(config)
+    total = sum(itemsize * _sharded_elements(shape, names, rules, degrees, 1)
+                for shape, names, itemsize in _parameter_shapes((config.model, config.moe))
+                if "expert" in names)
+    return total / (config.model.num_layers // config.moe.every)
 
 
 def microbatch_sequences(config: Config, layout: Layout) -> int:
@@ -196,6 +246,12 @@ def predict(config: Config, layout: Layout) -> Memory:
     working = blocks * layer_activation_bytes(config, layout, tokens, "none")
     if layout.fsdp > 1:  # one block's weights gathered for the forward, one for the backward
         working += 2 * gathered_block_bytes(config, layout)
+    if config.moe.enabled:
+        # The layer's expert weight gradients before they join the stacked sum, twice; the
+        # dropless grouped matmul's backward adds one per sequence (a batch of ragged dots).
+        grouped = not _slotted(config, layout)
+        per_sequence = microbatch_sequences(config, layout) if grouped else 0
+        working += 2 * (1 + per_sequence) * expert_block_bytes(config, layout)
     kept = layer_activation_bytes(config, layout, tokens, layout.remat)
     if layout.stage > 1:
         in_flight = (layout.microbatches if layout.schedule == "gpipe"

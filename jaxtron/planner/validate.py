@@ -52,6 +52,11 @@ TRAFFIC_MATRIX = (Layout(data=8), Layout(fsdp=8), Layout(data=2, tensor=4),
                          virtual_stages=2),
                   Layout(data=4, stage=2, microbatches=2, grad_accum=2),
                   Layout(data=4, stage=2, microbatches=2, zero_stage=2, grad_accum=2))
+# Memory of mixture-of-experts layouts (4 experts, top-2 in every layer): capacity routing
+# with expert parallelism, inside a pipeline, and the dropless grouped matmul.
+MOE_MATRIX = ((Layout(data=2, expert=4), ()),
+              (Layout(data=2, expert=2, stage=2, microbatches=4), ()),
+              (Layout(data=8), ("moe.mode=dropless",)))
 # The same with a mixture of experts (4 experts, top-2, capacity routing) in every layer.
 MOE_TRAFFIC_MATRIX = (Layout(data=2, expert=4), Layout(data=2, expert=4, grad_accum=2),
                       Layout(data=4, expert=2, zero_stage=1), Layout(fsdp=2, expert=4),
@@ -123,11 +128,14 @@ def main() -> int:
     mib = 2**20
     errors = []
     print("memory: per-device arguments + peak temporaries")
-    for row in run(MATRIX):
+    moe_rows = [row for layout, extra in MOE_MATRIX
+                for row in run((layout,), BASE + MOE + list(extra))]
+    for row in run(MATRIX) + moe_rows:
         error = (row.predicted_bytes - row.compiled_bytes) / row.compiled_bytes
         errors.append(abs(error))
-        print(f"{row.layout.describe():<44} predicted {row.predicted_bytes / mib:7.2f} MiB  XLA "
-              f"{row.compiled_bytes / mib:7.2f} MiB  error {error:+.1%}", flush=True)
+        moe = " moe" if row.moe else ""
+        print(f"{row.layout.describe() + moe:<44} predicted {row.predicted_bytes / mib:7.2f} "
+              f"MiB  XLA {row.compiled_bytes / mib:7.2f} MiB  error {error:+.1%}", flush=True)
     print(f"mean |error| {sum(errors) / len(errors):.1%}, max {max(errors):.1%}")
     worst = 0.0
     print("communication: MiB sent per device per step, predicted / counted (error)")
