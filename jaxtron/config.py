@@ -70,6 +70,8 @@ class ModelConfig:
     qk_rope_head_dim: int = _f(16, "mla: per-head query/key width with RoPE (the key part is "
                                "shared by all heads)")
     v_head_dim: int = _f(32, "mla: per-head value width")
+    qk_norm: bool = _f(False, "RMSNorm of each head's query and key over head_dim before RoPE "
+                       "(Qwen3; model.attention=mha)")
 
     @property
     def kv_heads(self) -> int:
@@ -123,6 +125,9 @@ class MoEConfig:
                     "with the chosen k scores normalised to sum 1 (DeepSeek-V3; moe.router is "
                     "then unused and must stay topk_then_softmax)", ("softmax", "sigmoid"))
     route_scale: float = _f(1.0, "factor on the combine weights (DeepSeek-V3: 2.5)")
+    bias_update_rate: float = _f(0.0, "auxiliary-loss-free balancing: per-expert routing bias "
+                                 "moved this much per step by the sign of each expert's load "
+                                 "error (DeepSeek-V3: 1e-3; 0 = off)")
     route_groups: int = _f(1, "experts split into this many equal groups for group-limited "
                            "routing (DeepSeek-V3 node-limited; 1 = off)")
     route_top_groups: int = _f(1, "each token chooses its top_k among the experts of its best "
@@ -575,6 +580,9 @@ def validate(c: Config) -> None:
                                                  "stage")) <= 1,
            "only one of mesh.data, mesh.fsdp, mesh.tensor, mesh.sequence, mesh.expert, mesh.stage may "
            "be -1 (= the rest); give the others explicit values.")
+    _check(not m.qk_norm or (m.type == "llama" and m.attention == "mha"),
+           f"model.qk_norm=true needs model.type=llama and model.attention=mha (got "
+           f"{m.type}, {m.attention}); set model.qk_norm=false.")
     _validate_mla(m)
     _validate_moe(c)
     _validate_pipeline(c)
@@ -631,6 +639,11 @@ def _validate_moe(c: Config) -> None:
            f"moe.router={moe.router} has no meaning with moe.score={moe.score} (the weights are "
            "the chosen scores normalised to sum 1); use moe.router=topk_then_softmax.")
     _check(moe.route_scale > 0, f"moe.route_scale={moe.route_scale} must be > 0.")
+    _check(moe.bias_update_rate >= 0,
+           f"moe.bias_update_rate={moe.bias_update_rate} must be 0 (off) or positive.")
+    _check(moe.bias_update_rate == 0 or c.mesh.stage == 1,
+           "moe.bias_update_rate > 0 with mesh.stage > 1 is not supported yet (the per-layer "
+           "expert loads do not leave the pipeline's stages); set one of them back.")
     groups, top_groups = moe.route_groups, moe.route_top_groups
     _check(groups >= 1 and moe.num_experts % groups == 0,
            f"moe.route_groups={groups} must divide moe.num_experts={moe.num_experts} into equal "

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx, struct
 
+from jaxtron.models.moe import update_router_bias
 from jaxtron.models.token_layout import TokenLayout
 from jaxtron.sharding.zigzag import in_zigzag_order
 
@@ -105,11 +106,17 @@ def accumulated_grads(grad_fn: GradFn, microbatches: int) -> GradFn:
 
 
 def make_train_step(tx: optax.GradientTransformation, schedule: optax.Schedule,
-                    grad_fn: GradFn):
+                    grad_fn: GradFn, router_bias_rate: float = 0.0):
+    """`router_bias_rate` > 0: the MoE layers' routing biases move by the step's expert loads
+    (`models.moe.update_router_bias`, auxiliary-loss-free balancing) after the update."""
     def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
         (_, metrics), grads = grad_fn(state.params, batch)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
+        metrics = dict(metrics)
+        load = metrics.pop("moe_load", None)
+        if router_bias_rate > 0:
+            params = update_router_bias(params, load, router_bias_rate)
         skipped_before = optax.tree_utils.tree_get(state.opt_state, "total_notfinite")
         skipped = optax.tree_utils.tree_get(opt_state, "total_notfinite")
         # The rate this update applied: the schedule advances only with applied updates

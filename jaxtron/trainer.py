@@ -61,7 +61,9 @@ class Trainer:
                                                                 self.activation_rules, self.mesh))
         grad_fn = self._grad_fn(abstract)
         self.compiler_options = options = compiler_options(self.mesh.devices)
-        self._step = jax.jit(make_train_step(self.tx, self.schedule, grad_fn),
+        self._step = jax.jit(make_train_step(self.tx, self.schedule, grad_fn,
+                                             config.moe.bias_update_rate if config.moe.enabled
+                                             else 0.0),
                              in_shardings=(self.state_shardings, self.batch_sharding),
                              out_shardings=(self.state_shardings, replicated),
                              donate_argnums=0, compiler_options=options)

@@ -72,7 +72,7 @@ def group_mask(scores_BxLxE, groups: int, top_groups: int):
 
 
 def route(logits_BxLxE, k: int, order: str, *, score: str = "softmax", groups: int = 1,
-          top_groups: int = 1, scale: float = 1.0):
+          top_groups: int = 1, scale: float = 1.0, bias_E=None):
     """-> (weights_BxLxK, experts_BxLxK, probs_BxLxE).
 
     score=softmax: probs is the full softmax; `order` says whether the weights are the softmax
@@ -82,7 +82,9 @@ def route(logits_BxLxE, k: int, order: str, *, score: str = "softmax", groups: i
     DeepSeek-V3 and Megatron); probs, the load-balancing loss's probabilities, are the scores
     normalised per token. With `groups` > 1 a token picks its k experts only among the experts
     of its `top_groups` best groups (`group_mask`), scored on the softmax probabilities or the
-    sigmoid scores. `scale` multiplies the weights (DeepSeek-V3: 2.5)."""
+    sigmoid scores. `scale` multiplies the weights (DeepSeek-V3: 2.5). `bias_E` (auxiliary-
+    loss-free balancing) is added to the scores for choosing the experts (and groups) only: the
+    weights come from the unbiased scores."""
     if score == "sigmoid":
         scores = jax.nn.sigmoid(logits_BxLxE)
         probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
@@ -91,9 +93,14 @@ def route(logits_BxLxE, k: int, order: str, *, score: str = "softmax", groups: i
         scores = probs = jax.nn.softmax(logits_BxLxE, axis=-1)
         # softmax is monotone: the k best logits are the k best probabilities
         ranked = probs if order == "softmax_then_topk" else logits_BxLxE
+    chosen_from = ranked
+    if bias_E is not None:  # the bias moves the choice, never the weights
+        scores = ranked = scores + jax.lax.stop_gradient(bias_E)
     if groups > 1:  # the other groups' experts cannot be chosen
         ranked = jnp.where(group_mask(scores, groups, top_groups), ranked, -jnp.inf)
     top_values, experts = top_k(ranked, k)
+    if bias_E is not None:
+        top_values = jnp.take_along_axis(chosen_from, experts, axis=-1)
     if score == "sigmoid":
         weights = top_values / jnp.sum(top_values, axis=-1, keepdims=True) if k > 1 else top_values
     elif order == "softmax_then_topk":
@@ -175,6 +182,8 @@ class MoE(nnx.Module):
             shared = ModelConfig(**{**cfg.__dict__, "type": "llama",
                                     "mlp_dim": moe.shared_experts * f})
             self.shared = MLP(shared, rngs)
+        if moe.bias_update_rate > 0:  # moved by the step from each expert's load, not trained
+            self.router_bias = param(rngs, nnx.initializers.zeros, (e,), (None,), jnp.float32)
 
     def __call__(self, x_BxLxD, order_L=None):
         """-> (y_BxLxD, aux) with aux the layer's load-balancing loss, z-loss and statistics.
@@ -186,7 +195,8 @@ class MoE(nnx.Module):
                                   self.router[...].astype(jnp.float32))
         weights_BxLxK, experts_BxLxK, probs = route(
             logits_BxLxE, moe.top_k, moe.router, score=moe.score, groups=moe.route_groups,
-            top_groups=moe.route_top_groups, scale=moe.route_scale)
+            top_groups=moe.route_top_groups, scale=moe.route_scale,
+            bias_E=self.router_bias[...] if moe.bias_update_rate > 0 else None)
         balance, fraction_E = load_balancing_loss(probs, experts_BxLxK)
         weights = (self.w_gate[...].astype(dt), self.w_up[...].astype(dt),
                    self.w_down[...].astype(dt))
@@ -205,6 +215,8 @@ class MoE(nnx.Module):
         aux = {"balance": balance, "z": z_loss(logits_BxLxE),
                "dropped": 1.0 - jnp.mean(kept.astype(jnp.float32)),
                "max_load": jnp.max(fraction_E) * moe.num_experts}
+        if moe.bias_update_rate > 0:
+            aux["load"] = fraction_E  # per expert, for the step's bias update
         return y_BxLxD, aux
 
     def _with_capacity(self, x_BxLxD, weights_BxLxK, experts_BxLxK, positions_L, weights,
@@ -246,3 +258,17 @@ class MoE(nnx.Module):
             b, length, k, d)
         y_BxLxD = jnp.einsum("blkd,blk->bld", y_BxLxKxD, weights_BxLxK.astype(dt))
         return constrain(y_BxLxD, ("batch", "residual_seq", "embed"))
+
+
+def update_router_bias(params, load_NxE, rate: float):
+    """Auxiliary-loss-free balancing (DeepSeek-V3; Megatron's --moe-router-enable-expert-bias):
+    every MoE layer's `router_bias` moves by `rate` towards balance, up for the experts that got
+    fewer than their share of the step's assignments and down for the others. `load_NxE` is
+    each stacked unit's fraction of assignments per expert, in the order of the stack."""
+    def step(path, value):
+        if not any(getattr(key, "key", None) == "router_bias" for key in path):
+            return value
+        error = jnp.mean(load_NxE, axis=-1, keepdims=True) - load_NxE
+        return value + rate * jnp.sign(error).astype(value.dtype)
+
+    return jax.tree_util.tree_map_with_path(step, params)

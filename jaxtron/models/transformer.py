@@ -118,28 +118,37 @@ def run_blocks(cfg: ModelConfig, graphdef, stacked, x_BxLxD, active_N=None,
                layout: TokenLayout = PLAIN):
     """Apply stacked units in order -> (x, summed MoE statistics). Where `active_N` is False a
     unit is the identity (padding in uneven pipeline splits). `layout`: see the module
-    docstring."""
+    docstring. An MoE layer's per-expert `load` (reported when its routing bias is moved by
+    the step) is not summed but stacked, one row per unit."""
 
     def body(carry, layer):
         x, stats = carry
         layer_state, active = layer
         y, layer_stats = nnx.merge(graphdef, layer_state)(x, layout)
+        layer_stats = dict(layer_stats)
+        load = layer_stats.pop("load", None)
         if active is not None:  # a padding unit: no output, no statistics
             y = jnp.where(active, y, x)
             layer_stats = jax.tree.map(lambda s: jnp.where(active, s, 0.0), layer_stats)
-        return (y, jax.tree.map(jnp.add, stats, layer_stats)), None
+        return (y, jax.tree.map(jnp.add, stats, layer_stats)), load
 
     if cfg.remat != "none":
         body = jax.checkpoint(body, policy=REMAT_POLICIES[cfg.remat],
                               prevent_cse=not cfg.scan_layers)
     carry = (x_BxLxD, {name: jnp.zeros((), jnp.float32) for name in MOE_STATS})
     if cfg.scan_layers:
-        carry, _ = jax.lax.scan(body, carry, (stacked, active_N))
-        return carry
-    count = jax.tree.leaves(stacked)[0].shape[0]
-    for i in range(count):
-        carry, _ = body(carry, jax.tree.map(lambda a: a[i], (stacked, active_N)))
-    return carry
+        (x_BxLxD, stats), loads = jax.lax.scan(body, carry, (stacked, active_N))
+    else:
+        count = jax.tree.leaves(stacked)[0].shape[0]
+        loads = []
+        for i in range(count):
+            carry, load = body(carry, jax.tree.map(lambda a: a[i], (stacked, active_N)))
+            loads.append(load)
+        x_BxLxD, stats = carry
+        loads = None if loads[0] is None else jnp.stack(loads)
+    if loads is not None:
+        stats = {**stats, "load": loads}
+    return x_BxLxD, stats
 
 
 class Transformer(nnx.Module):
@@ -182,8 +191,12 @@ def moe_aux(cfg: ModelConfig, moe: MoEConfig, stats: dict) -> dict:
     (`moe_<name>`) and of the weighted auxiliary losses (`weighted_terms`): a pipeline stage's
     shares add up over stages to the whole model's."""
     moe_layers = cfg.num_layers // moe.every
+    stats = dict(stats)
+    load = stats.pop("load", None)
     mean = {name: value / moe_layers for name, value in stats.items()}
     aux = {f"moe_{name}": value for name, value in mean.items()}
+    if load is not None:
+        aux["moe_load"] = load  # [units, experts]: each layer's own
     aux["weighted_terms"] = [moe.aux_loss_coef * mean["balance"], moe.z_loss_coef * mean["z"]]
     return aux
 
