@@ -1,21 +1,36 @@
-"""Conversion between jaxtron llama parameters and Hugging Face Llama / Mixtral checkpoints.
+"""Conversion between jaxtron llama parameters and Hugging Face checkpoints.
 
     hf_config, tensors = to_hf(config, nnx.to_pure_dict(trainer.to_model_params(state.params)))
-    save_hf_dir("out/hf", hf_config, tensors)    # loads with LlamaForCausalLM.from_pretrained
+    save_hf_dir("out/hf", hf_config, tensors)    # loads with AutoModelForCausalLM.from_pretrained
     model, moe, params = from_hf(*load_hf_dir("out/hf"))
 
-A dense llama maps to `LlamaForCausalLM`; a llama whose every block is a Mixtral-style MoE
-(`moe.every=1`, no shared experts, `topk_then_softmax` routing) maps to `MixtralForCausalLM`.
-Pure functions on numpy arrays: no torch, no checkpoint machinery.
+Families, chosen on export from the config:
+- `LlamaForCausalLM`: a dense llama.
+- `MixtralForCausalLM`: an MoE block in every layer (`moe.every=1`), no shared experts,
+  `topk_then_softmax` routing.
+- `Qwen3MoeForCausalLM`: as Mixtral plus `model.qk_norm` (Qwen3's per-head q_norm/k_norm);
+  `norm_topk_prob` true is `topk_then_softmax`, false is `softmax_then_topk`. Only Qwen3's
+  uniform layout converts (`decoder_sparse_step=1`, no `mlp_only_layers`).
+- `DeepseekV3ForCausalLM`: `model.attention=mla`, every layer dense (`first_k_dense_replace` >=
+  num_hidden_layers) or every layer MoE (`first_k_dense_replace=0`): sigmoid scores
+  (`moe.score=sigmoid`), group-limited routing (`n_group`, `topk_group`), `routed_scaling_factor`
+  as `moe.route_scale`, `n_shared_experts` as `moe.shared_experts` and `e_score_correction_bias`
+  as the MoE's `router_bias`. The published V3 has 3 dense layers before the MoE ones, which
+  `moe.every` cannot express, so it is refused; multi-token-prediction layers are dropped.
 
 Layout. A torch `Linear` stores its weight [out, in] and computes x @ W.T; ours are [in, out]
 with heads kept as their own axes (wq [D, H, K], wo [H, K, D]), and stacked over layers with a
 leading N. So q_proj.weight = wq[i].reshape(D, H*K).T, o_proj.weight = wo[i].reshape(H*K, D).T.
 
-RoPE needs no permutation of the q/k rows: `jaxtron.models.layers.rotary` rotates the pairs
+RoPE needs no permutation of Llama's q/k rows: `jaxtron.models.layers.rotary` rotates the pairs
 (i, i + K/2) with frequencies theta^(-2i/K), which is HF Llama's `rotate_half` convention with
 `inv_freq = 1 / theta^(arange(0, K, 2) / K)`. (Meta's original checkpoints rotate interleaved
 pairs (2i, 2i+1); HF's conversion script permutes them into this layout, so HF files need none.)
+DeepSeek's checkpoints keep the interleaved rows: with `rope_interleave` (the default) HF
+reorders q_rot and k_rot as x.view(d/2, 2).transpose -> [x0, x2, ..., x1, x3, ...] before
+`rotate_half`, and never back. Attention scores only need q and k in the same order, so our
+rotary rows are HF's rows in that order (`_ROPE_ORDER`), in q_proj / q_b_proj per head and in
+kv_a_proj_with_mqa's last Kr rows. kv_b_proj holds W_uk and W_uv per head ([H, Kn + V, C]).
 Mixtral's router (softmax over all experts, top-k, renormalise the k weights) equals a softmax
 over the top-k logits, which is our `topk_then_softmax`.
 """
@@ -33,47 +48,100 @@ from jaxtron.config import COMPUTE_DTYPES, Config
 from jaxtron.errors import ConfigError, DataError
 
 LLAMA, MIXTRAL = "LlamaForCausalLM", "MixtralForCausalLM"
-MODEL_TYPES = {LLAMA: "llama", MIXTRAL: "mixtral"}
-# HF config defaults for fields a config.json may omit (transformers' LlamaConfig/MixtralConfig).
+QWEN3_MOE, DEEPSEEK_V3 = "Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM"
+MODEL_TYPES = {LLAMA: "llama", MIXTRAL: "mixtral", QWEN3_MOE: "qwen3_moe",
+               DEEPSEEK_V3: "deepseek_v3"}
+# HF config defaults for fields a config.json may omit (transformers' config classes).
 DEFAULTS = {LLAMA: {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
                     "rope_theta": 10000.0},
             MIXTRAL: {"max_position_embeddings": 4096 * 32, "rms_norm_eps": 1e-5,
-                      "rope_theta": 1e6}}
+                      "rope_theta": 1e6},
+            QWEN3_MOE: {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
+                        "rope_theta": 10000.0, "norm_topk_prob": False},
+            DEEPSEEK_V3: {"max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
+                          "rope_theta": 10000.0, "norm_topk_prob": True,
+                          "first_k_dense_replace": 3, "n_shared_experts": 1, "n_group": 8,
+                          "topk_group": 4, "routed_scaling_factor": 2.5, "q_lora_rank": 1536,
+                          "rope_interleave": True}}
 IGNORED_TENSORS = ("rotary_emb.inv_freq",)  # a buffer older checkpoints saved; recomputed
 SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
+# DeepSeek-V3's e_score_correction_bias imports as a router_bias, which exists with
+# moe.bias_update_rate > 0: the rate DeepSeek-V3 trained with (gamma, arXiv:2412.19437 sec. 4.2).
+DEEPSEEK_BIAS_RATE = 1e-3
+
+
+def _rope_order(width: int) -> np.ndarray:
+    """HF DeepSeek's interleave-to-halves order: our rotary row j is HF's row _rope_order[j]."""
+    return np.concatenate([np.arange(0, width, 2), np.arange(1, width, 2)])
 
 
 def _tensor_table(dims: dict) -> list[tuple]:
     """Every tensor as (hf name, our path, index into our array, our full shape, input dims).
 
     `input dims` is how many leading axes of the indexed slice are a Linear's input (0: a norm
-    vector, copied as it is). `dims` holds N D H G K F V and E (0 for a dense model)."""
+    vector, copied as it is). `dims` holds N D H G K F V E (0 for a dense model), `arch`, and
+    per family: `qk_norm`, `mla` (Q C Kn Kr Vh), `shared` (width of the shared experts),
+    `bias` (a router bias). DeepSeek's kv_b_proj appears as two halves, `:k` and `:v`."""
     n, d, h, g, k, f, v, e = (dims[c] for c in "NDHGKFVE")
+    arch, mla = dims["arch"], dims.get("mla")
     rows = [("model.embed_tokens.weight", ("embedder", "embed"), (), (v, d), 0),
             ("model.norm.weight", ("head", "final_norm", "scale"), (), (d,), 0),
             ("lm_head.weight", ("head", "lm_head"), (), (d, v), 1)]
     for i in range(n):
-        p = f"model.layers.{i}."
+        p, a = f"model.layers.{i}.", ("blocks", "attn")
         rows += [(p + "input_layernorm.weight", ("blocks", "attn_norm", "scale"), (i,), (n, d), 0),
                  (p + "post_attention_layernorm.weight", ("blocks", "mlp_norm", "scale"), (i,),
-                  (n, d), 0),
-                 (p + "self_attn.q_proj.weight", ("blocks", "attn", "wq"), (i,), (n, d, h, k), 1),
-                 (p + "self_attn.k_proj.weight", ("blocks", "attn", "wk"), (i,), (n, d, g, k), 1),
-                 (p + "self_attn.v_proj.weight", ("blocks", "attn", "wv"), (i,), (n, d, g, k), 1),
-                 (p + "self_attn.o_proj.weight", ("blocks", "attn", "wo"), (i,), (n, h, k, d), 2)]
+                  (n, d), 0)]
+        if mla:
+            q, c, kn, kr, vh = (mla[x] for x in ("Q", "C", "Kn", "Kr", "Vh"))
+            s = p + "self_attn."
+            if q:
+                rows += [(s + "q_a_proj.weight", a + ("wq_down",), (i,), (n, d, q), 1),
+                         (s + "q_a_layernorm.weight", a + ("q_norm",), (i,), (n, q), 0),
+                         (s + "q_b_proj.weight", a + ("wq_up",), (i,), (n, q, h, kn + kr), 1)]
+            else:
+                rows.append((s + "q_proj.weight", a + ("wq",), (i,), (n, d, h, kn + kr), 1))
+            rows += [(s + "kv_a_proj_with_mqa.weight", a + ("wkv_down",), (i,), (n, d, c + kr), 1),
+                     (s + "kv_a_layernorm.weight", a + ("kv_norm",), (i,), (n, c), 0),
+                     (s + "kv_b_proj.weight:k", a + ("wk_up",), (i,), (n, c, h, kn), 1),
+                     (s + "kv_b_proj.weight:v", a + ("wv_up",), (i,), (n, c, h, vh), 1),
+                     (s + "o_proj.weight", a + ("wo",), (i,), (n, h, vh, d), 2)]
+        else:
+            rows += [(p + "self_attn.q_proj.weight", a + ("wq",), (i,), (n, d, h, k), 1),
+                     (p + "self_attn.k_proj.weight", a + ("wk",), (i,), (n, d, g, k), 1),
+                     (p + "self_attn.v_proj.weight", a + ("wv",), (i,), (n, d, g, k), 1),
+                     (p + "self_attn.o_proj.weight", a + ("wo",), (i,), (n, h, k, d), 2)]
+        if dims.get("qk_norm"):
+            rows += [(p + f"self_attn.{x}_norm.weight", a + (f"{x}_norm",), (i,), (n, k), 0)
+                     for x in "qk"]
         if not e:
             rows += [(p + f"mlp.{hf}_proj.weight", ("blocks", "mlp", ours), (i,), shape, 1)
                      for hf, ours, shape in (("gate", "w_gate", (n, d, f)),
                                              ("up", "w_up", (n, d, f)),
                                              ("down", "w_down", (n, f, d)))]
             continue
-        rows.append((p + "block_sparse_moe.gate.weight", ("blocks", "mlp", "router"), (i,),
-                     (n, d, e), 1))
+        m = ("blocks", "mlp")
+        if arch == MIXTRAL:
+            rows.append((p + "block_sparse_moe.gate.weight", m + ("router",), (i,), (n, d, e), 1))
+            names, experts = ("w1", "w3", "w2"), p + "block_sparse_moe.experts."
+        else:
+            rows.append((p + "mlp.gate.weight", m + ("router",), (i,), (n, d, e), 1))
+            names, experts = ("gate_proj", "up_proj", "down_proj"), p + "mlp.experts."
         for x in range(e):
-            q = f"{p}block_sparse_moe.experts.{x}."
-            rows += [(q + "w1.weight", ("blocks", "mlp", "w_gate"), (i, x), (n, e, d, f), 1),
-                     (q + "w3.weight", ("blocks", "mlp", "w_up"), (i, x), (n, e, d, f), 1),
-                     (q + "w2.weight", ("blocks", "mlp", "w_down"), (i, x), (n, e, f, d), 1)]
+            q_ = f"{experts}{x}."
+            rows += [(q_ + names[0] + ".weight", m + ("w_gate",), (i, x), (n, e, d, f), 1),
+                     (q_ + names[1] + ".weight", m + ("w_up",), (i, x), (n, e, d, f), 1),
+                     (q_ + names[2] + ".weight", m + ("w_down",), (i, x), (n, e, f, d), 1)]
+        if dims.get("bias"):
+            rows.append((p + "mlp.gate.e_score_correction_bias", m + ("router_bias",), (i,),
+                         (n, e), 0))
+        if dims.get("shared"):
+            s_ = dims["shared"]
+            rows += [(p + f"mlp.shared_experts.{hf}_proj.weight", m + ("shared", ours), (i,),
+                      shape, 1)
+                     for hf, ours, shape in (("gate", "w_gate", (n, d, s_)),
+                                             ("up", "w_up", (n, d, s_)),
+                                             ("down", "w_down", (n, s_, d)))]
     return rows
 
 
@@ -84,51 +152,112 @@ def _hf_shape(full_shape, index, input_dims) -> tuple[int, ...]:
     return (math.prod(shape[input_dims:]), math.prod(shape[:input_dims]))
 
 
+def _deepseek_rows(tensors: dict, dims: dict, *, to_ours: bool) -> dict:
+    """DeepSeek's own rows <-> the table's: kv_b_proj split into its k and v halves, and the
+    rotary rows reordered (`_rope_order`) where the file interleaves them."""
+    mla, h = dims["mla"], dims["H"]
+    kn, kr, vh, c = mla["Kn"], mla["Kr"], mla["Vh"], mla["C"]
+    order = _rope_order(kr) if mla["interleave"] else np.arange(kr)
+    if not to_ours:
+        order = np.argsort(order)
+    out = dict(tensors)
+    for i in range(dims["N"]):
+        s = f"model.layers.{i}.self_attn."
+        q_name = s + ("q_b_proj.weight" if mla["Q"] else "q_proj.weight")
+        for name, rows in ((q_name, None), (s + "kv_a_proj_with_mqa.weight", c)):
+            if name not in out:
+                continue
+            w = np.asarray(out[name])
+            if rows is None:  # q: [H * (Kn + Kr), X], rotary rows last in each head
+                w = w.reshape(h, kn + kr, -1)
+                w = np.concatenate([w[:, :kn], w[:, kn:][:, order]], axis=1).reshape(h * (kn + kr), -1)
+            else:
+                w = np.concatenate([w[:rows], w[rows:][order]], axis=0)
+            out[name] = w
+        if to_ours and s + "kv_b_proj.weight" in out:
+            w = np.asarray(out.pop(s + "kv_b_proj.weight")).reshape(h, kn + vh, -1)
+            out[s + "kv_b_proj.weight:k"] = w[:, :kn].reshape(h * kn, -1)
+            out[s + "kv_b_proj.weight:v"] = w[:, kn:].reshape(h * vh, -1)
+        elif not to_ours:
+            k_part = out.pop(s + "kv_b_proj.weight:k").reshape(h, kn, -1)
+            v_part = out.pop(s + "kv_b_proj.weight:v").reshape(h, vh, -1)
+            out[s + "kv_b_proj.weight"] = np.ascontiguousarray(
+                np.concatenate([k_part, v_part], axis=1).reshape(h * (kn + vh), -1))
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # jaxtron -> HF
 
 
-def _check_exportable(config: Config) -> None:
+def _refuse(arch: str, checks) -> None:
+    for ok, field, why in checks:
+        if not ok:
+            raise ConfigError(f"{field} cannot be exported as {arch}: {why}; change {field} or "
+                              "use --format orbax.")
+
+
+def _export_arch(config: Config) -> str:
+    """The HF architecture this config maps onto, or ConfigError naming what does not."""
     m, moe = config.model, config.moe
     if m.type != "llama":
         raise ConfigError(f"model.type={m.type} cannot be exported: only llama maps onto "
-                          "LlamaForCausalLM / MixtralForCausalLM; export a llama model, or use "
-                          "--format orbax.")
-    if m.attention != "mha":
-        raise ConfigError(f"model.attention={m.attention} cannot be exported: Llama / Mixtral "
-                          "have multi-head attention; use --format orbax.")
-    if moe.enabled:
-        for ok, field, why in ((moe.every == 1, f"moe.every={moe.every}",
-                                "Mixtral has an MoE block in every layer; use moe.every=1"),
-                               (moe.shared_experts == 0, f"moe.shared_experts={moe.shared_experts}",
-                                "Mixtral has no shared experts; use moe.shared_experts=0"),
-                               (moe.router == "topk_then_softmax", f"moe.router={moe.router}",
-                                "Mixtral renormalises the top-k weights; use "
-                                "moe.router=topk_then_softmax"),
-                               (moe.score == "softmax", f"moe.score={moe.score}",
-                                "Mixtral's router is a softmax; use moe.score=softmax"),
-                               (moe.route_groups == 1, f"moe.route_groups={moe.route_groups}",
-                                "Mixtral routes over all experts; use moe.route_groups=1"),
-                               (moe.route_scale == 1.0, f"moe.route_scale={moe.route_scale}",
-                                "Mixtral's weights are unscaled; use moe.route_scale=1")):
-            if not ok:
-                raise ConfigError(f"{field} cannot be exported as {MIXTRAL}: {why}; change {field} "
-                                  "or use --format orbax.")
+                          "Hugging Face's Llama / Mixtral / Qwen3-MoE / DeepSeek-V3; export a "
+                          "llama model, or use --format orbax.")
+    if m.attention == "mla":
+        arch = DEEPSEEK_V3
+    elif moe.enabled:
+        arch = QWEN3_MOE if m.qk_norm else MIXTRAL
+    else:
+        arch = LLAMA
+    _refuse(arch, [(not m.qk_norm or arch == QWEN3_MOE, "model.qk_norm=true",
+                    "only Qwen3-MoE (an MoE model) maps QK-norm")])
+    if not moe.enabled:
+        return arch
+    common = [(moe.every == 1, f"moe.every={moe.every}",
+               "every layer must be an MoE layer; use moe.every=1")]
+    if arch == DEEPSEEK_V3:
+        _refuse(arch, common + [
+            (moe.score == "sigmoid", f"moe.score={moe.score}",
+             "DeepSeek-V3 scores experts with a sigmoid; use moe.score=sigmoid"),
+            (moe.num_experts // moe.route_groups >= 2, f"moe.route_groups={moe.route_groups}",
+             "HF scores a group by its two best experts, so groups need 2 experts or more")])
+        return arch
+    _refuse(arch, common + [
+        (moe.shared_experts == 0, f"moe.shared_experts={moe.shared_experts}",
+         "it has no shared experts; use moe.shared_experts=0"),
+        (arch == QWEN3_MOE or moe.router == "topk_then_softmax", f"moe.router={moe.router}",
+         "Mixtral renormalises the top-k weights; use moe.router=topk_then_softmax"),
+        (moe.score == "softmax", f"moe.score={moe.score}",
+         "its router is a softmax; use moe.score=softmax"),
+        (moe.route_groups == 1, f"moe.route_groups={moe.route_groups}",
+         "it routes over all experts; use moe.route_groups=1"),
+        (moe.route_scale == 1.0, f"moe.route_scale={moe.route_scale}",
+         "its weights are unscaled; use moe.route_scale=1"),
+        (moe.bias_update_rate == 0, f"moe.bias_update_rate={moe.bias_update_rate}",
+         "its router has no routing bias; use moe.bias_update_rate=0")])
+    return arch
 
 
-def _dims(config: Config) -> dict:
+def _dims(config: Config, arch: str) -> dict:
     m, moe = config.model, config.moe
     f = (moe.expert_mlp_dim or m.mlp_dim) if moe.enabled else m.mlp_dim
-    return {"N": m.num_layers, "D": m.d_model, "H": m.num_heads, "G": m.kv_heads,
-            "K": m.resolved_head_dim, "F": f, "V": m.vocab_size, "E": moe.num_experts}
+    dims = {"N": m.num_layers, "D": m.d_model, "H": m.num_heads, "G": m.kv_heads,
+            "K": m.resolved_head_dim, "F": f, "V": m.vocab_size, "E": moe.num_experts,
+            "arch": arch, "qk_norm": m.qk_norm,
+            "shared": moe.shared_experts * f if moe.enabled else 0,
+            "bias": moe.enabled and moe.bias_update_rate > 0}
+    if m.attention == "mla":
+        dims["mla"] = {"Q": m.q_lora_rank or 0, "C": m.kv_lora_rank, "Kn": m.qk_nope_head_dim,
+                       "Kr": m.qk_rope_head_dim, "Vh": m.v_head_dim, "interleave": True}
+    return dims
 
 
 def to_hf(config: Config, params: dict) -> tuple[dict, dict[str, np.ndarray]]:
     """A llama config and its parameters (`nnx.to_pure_dict` of the model layout) -> (HF
     config.json dict, {HF tensor name: numpy array}), arrays in the parameters' dtype."""
-    _check_exportable(config)
-    m, moe, dims = config.model, config.moe, _dims(config)
-    arch = MIXTRAL if moe.enabled else LLAMA
+    arch = _export_arch(config)
+    m, moe, dims = config.model, config.moe, _dims(config, arch)
     tensors = {}
     for name, path, index, full_shape, input_dims in _tensor_table(dims):
         node = params
@@ -147,18 +276,44 @@ def to_hf(config: Config, params: dict) -> tuple[dict, dict[str, np.ndarray]]:
         if input_dims:
             w = w.reshape(math.prod(w.shape[:input_dims]), -1).T
         tensors[name] = np.ascontiguousarray(w)
+    dtype = str(tensors["model.embed_tokens.weight"].dtype)
     hf = {"architectures": [arch], "model_type": MODEL_TYPES[arch],
-          "hidden_size": m.d_model, "intermediate_size": dims["F"],
+          "hidden_size": m.d_model, "intermediate_size": dims["F"] if arch != DEEPSEEK_V3
+          else m.mlp_dim,
           "num_hidden_layers": m.num_layers, "num_attention_heads": m.num_heads,
           "num_key_value_heads": m.kv_heads, "head_dim": m.resolved_head_dim,
           "vocab_size": m.vocab_size, "max_position_embeddings": m.max_seq_len,
           "rms_norm_eps": m.norm_eps, "rope_theta": m.rope_theta, "rope_scaling": None,
           "hidden_act": "silu", "attention_bias": False, "tie_word_embeddings": False,
-          "initializer_range": m.init_std,
-          "torch_dtype": str(tensors["model.embed_tokens.weight"].dtype)}
-    if moe.enabled:
+          "initializer_range": m.init_std, "torch_dtype": dtype}
+    if arch == MIXTRAL:
         hf.update(num_local_experts=moe.num_experts, num_experts_per_tok=moe.top_k,
                   router_aux_loss_coef=moe.aux_loss_coef, sliding_window=None)
+    elif arch == QWEN3_MOE:
+        hf.update(intermediate_size=m.mlp_dim, moe_intermediate_size=dims["F"],
+                  num_experts=moe.num_experts, num_experts_per_tok=moe.top_k,
+                  norm_topk_prob=moe.router == "topk_then_softmax", decoder_sparse_step=1,
+                  mlp_only_layers=[], router_aux_loss_coef=moe.aux_loss_coef,
+                  use_sliding_window=False, sliding_window=None)
+    elif arch == DEEPSEEK_V3:
+        mla = dims["mla"]
+        del hf["head_dim"]  # transformers derives it (qk_rope_head_dim)
+        hf.update(num_key_value_heads=m.num_heads, q_lora_rank=mla["Q"] or None,
+                  kv_lora_rank=mla["C"], qk_nope_head_dim=mla["Kn"],
+                  qk_rope_head_dim=mla["Kr"], v_head_dim=mla["Vh"], rope_interleave=True,
+                  first_k_dense_replace=0 if moe.enabled else m.num_layers,
+                  moe_layer_freq=1, num_nextn_predict_layers=0)
+        if moe.enabled:
+            hf.update(n_routed_experts=moe.num_experts, num_experts_per_tok=moe.top_k,
+                      moe_intermediate_size=dims["F"], n_shared_experts=moe.shared_experts,
+                      n_group=moe.route_groups, topk_group=moe.route_top_groups,
+                      routed_scaling_factor=moe.route_scale, norm_topk_prob=moe.top_k > 1,
+                      scoring_func="sigmoid", topk_method="noaux_tc")
+            if not dims["bias"]:  # HF always has the buffer: zero is no bias
+                for i in range(m.num_layers):
+                    tensors[f"model.layers.{i}.mlp.gate.e_score_correction_bias"] = np.zeros(
+                        moe.num_experts, np.float32)
+        tensors = _deepseek_rows(tensors, dims, to_ours=False)
     else:
         hf.update(mlp_bias=False)
     return hf, tensors
@@ -168,40 +323,101 @@ def to_hf(config: Config, params: dict) -> tuple[dict, dict[str, np.ndarray]]:
 # HF -> jaxtron
 
 
-def _read_config(hf: dict) -> tuple[str, dict]:
-    """-> (architecture, dims); ConfigError for anything our llama does not compute."""
+def _arch(hf: dict) -> str:
     archs = hf.get("architectures") or []
     arch = archs[0] if archs else {v: k for k, v in MODEL_TYPES.items()}.get(hf.get("model_type"))
     if arch not in MODEL_TYPES:
         raise ConfigError(f"unsupported architecture {arch or archs!r} (model_type "
-                          f"{hf.get('model_type')!r}) in config.json: jaxtron converts {LLAMA} "
-                          f"and {MIXTRAL}; pick a model of one of those architectures.")
-    required = ["hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "vocab_size"] + (["num_local_experts", "num_experts_per_tok"]
-                                 if arch == MIXTRAL else [])
+                          f"{hf.get('model_type')!r}) in config.json: jaxtron converts "
+                          f"{', '.join(MODEL_TYPES)}; pick a model of one of those "
+                          "architectures.")
+    return arch
+
+
+REQUIRED = {LLAMA: ["intermediate_size"], MIXTRAL: ["intermediate_size", "num_local_experts",
+                                                    "num_experts_per_tok"],
+            QWEN3_MOE: ["moe_intermediate_size", "num_experts", "num_experts_per_tok"],
+            DEEPSEEK_V3: ["kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"]}
+
+
+def _read_config(hf: dict) -> tuple[str, dict]:
+    """-> (architecture, dims); ConfigError for anything our llama does not compute."""
+    arch = _arch(hf)
+    required = ["hidden_size", "num_hidden_layers", "num_attention_heads",
+                "vocab_size"] + REQUIRED[arch]
     missing = [key for key in required if key not in hf]
     if missing:
         raise ConfigError(f"config.json lacks {', '.join(missing)}, which {arch} needs.")
+    get = lambda key: hf.get(key, DEFAULTS[arch].get(key))  # noqa: E731
     unsupported = [(hf.get("hidden_act", "silu") != "silu", f"hidden_act={hf.get('hidden_act')}",
                     "the MLP is SwiGLU (silu)"),
                    (bool(hf.get("attention_bias")), "attention_bias=true",
                     "llama attention has no biases"),
-                   (bool(hf.get("mlp_bias")), "mlp_bias=true", "llama MLPs have no biases")]
+                   (bool(hf.get("mlp_bias")), "mlp_bias=true", "llama MLPs have no biases"),
+                   (hf.get("quantization_config") is not None,
+                    f"quantization_config (quant_method="
+                    f"{(hf.get('quantization_config') or {}).get('quant_method')})",
+                    "weights are read in bf16/fp16/fp32; dequantize the checkpoint first")]
     scaling = _rope_scaling(hf)
     if scaling is not None:
         unsupported.append((True, scaling, "only plain RoPE is implemented"))
+    if arch == QWEN3_MOE:
+        step, only = hf.get("decoder_sparse_step", 1), hf.get("mlp_only_layers") or []
+        unsupported += [(step != 1, f"decoder_sparse_step={step}",
+                         "only every layer an MoE layer converts (decoder_sparse_step=1)"),
+                        (bool(only), f"mlp_only_layers={only}",
+                         "only every layer an MoE layer converts (mlp_only_layers=[])")]
+    if arch == DEEPSEEK_V3:
+        n, first = hf["num_hidden_layers"], get("first_k_dense_replace")
+        k, norm = hf.get("num_experts_per_tok", 8), get("norm_topk_prob")
+        unsupported += [
+            (0 < first < n, f"first_k_dense_replace={first}",
+             "jaxtron's moe.every cannot put dense layers before the MoE ones (0, all MoE, or "
+             ">= num_hidden_layers, all dense, convert)"),
+            (hf.get("moe_layer_freq", 1) != 1, f"moe_layer_freq={hf.get('moe_layer_freq')}",
+             "only every layer an MoE layer converts"),
+            (hf.get("scoring_func", "sigmoid") != "sigmoid",
+             f"scoring_func={hf.get('scoring_func')}", "DeepSeek-V3 routing is sigmoid"),
+            (hf.get("topk_method", "noaux_tc") != "noaux_tc",
+             f"topk_method={hf.get('topk_method')}", "DeepSeek-V3 routing is noaux_tc"),
+            (first < n and norm != (k > 1), f"norm_topk_prob={norm}",
+             "jaxtron normalises the chosen sigmoid scores exactly when num_experts_per_tok > 1"),
+            (get("rms_norm_eps") != 1e-6, f"rms_norm_eps={hf.get('rms_norm_eps')}",
+             "HF's latent norms keep eps 1e-6 while jaxtron uses one epsilon for all norms")]
     for bad, field, why in unsupported:
         if bad:
             raise ConfigError(f"config.json sets {field}, which jaxtron cannot convert: {why}; "
                               "convert a model without that setting.")
     h = hf["num_attention_heads"]
     g = hf.get("num_key_value_heads") or h
+    if arch == DEEPSEEK_V3:
+        g = h  # MLA: every head decompresses its own keys and values
     if h % g:
         raise ConfigError(f"config.json: num_attention_heads={h} is not a multiple of "
                           f"num_key_value_heads={g}; the file is inconsistent: fix config.json.")
     dims = {"N": hf["num_hidden_layers"], "D": hf["hidden_size"], "H": h, "G": g,
-            "K": hf.get("head_dim") or hf["hidden_size"] // h, "F": hf["intermediate_size"],
-            "V": hf["vocab_size"], "E": hf["num_local_experts"] if arch == MIXTRAL else 0}
+            "K": hf.get("head_dim") or hf["hidden_size"] // h,
+            "F": hf.get("intermediate_size", 0), "V": hf["vocab_size"], "E": 0, "arch": arch,
+            "dense_F": hf.get("intermediate_size", 0)}
+    if arch == MIXTRAL:
+        dims["E"] = hf["num_local_experts"]
+    elif arch == QWEN3_MOE:
+        dims.update(E=hf["num_experts"], F=hf["moe_intermediate_size"], qk_norm=True)
+    elif arch == DEEPSEEK_V3:
+        dims["K"] = hf["hidden_size"] // h
+        dims["mla"] = {"Q": get("q_lora_rank") or 0, "C": hf["kv_lora_rank"],
+                       "Kn": hf["qk_nope_head_dim"], "Kr": hf["qk_rope_head_dim"],
+                       "Vh": hf["v_head_dim"], "interleave": bool(get("rope_interleave"))}
+        if get("first_k_dense_replace") == 0:
+            missing = [key for key in ("n_routed_experts", "moe_intermediate_size")
+                       if key not in hf]
+            if missing:
+                raise ConfigError(f"config.json lacks {', '.join(missing)}, which {arch} "
+                                  "needs.")
+            f = hf["moe_intermediate_size"]
+            dims.update(E=hf["n_routed_experts"], F=f, shared=get("n_shared_experts") * f)
+        elif "intermediate_size" not in hf:
+            raise ConfigError(f"config.json lacks intermediate_size, which {arch} needs.")
     return arch, dims
 
 
@@ -260,37 +476,79 @@ def _check_names(arch: str, expected: set, state_dict: dict) -> None:
 
 def _overrides(arch: str, dims: dict, hf: dict, dtype: str) -> tuple[dict, dict]:
     defaults = DEFAULTS[arch]
-    max_seq_len = hf.get("max_position_embeddings", defaults["max_position_embeddings"])
+    get = lambda key: hf.get(key, defaults.get(key))  # noqa: E731
+    max_seq_len = get("max_position_embeddings")
     # Sliding-window attention equals full causal attention on sequences no longer than the
     # window, so a windowed checkpoint converts with its sequence limit cut to the window.
-    if hf.get("sliding_window") is not None:
+    windowed = hf.get("use_sliding_window", True) if arch == QWEN3_MOE else True
+    if windowed and hf.get("sliding_window") is not None:
         max_seq_len = min(max_seq_len, hf["sliding_window"])
     model = {"type": "llama", "num_layers": dims["N"], "d_model": dims["D"],
              "num_heads": dims["H"], "num_kv_heads": dims["G"],
              "head_dim": None if dims["K"] == dims["D"] // dims["H"] else dims["K"],
-             "mlp_dim": dims["F"], "vocab_size": dims["V"], "max_seq_len": max_seq_len,
-             "rope_theta": _rope_theta(hf, defaults["rope_theta"]),
-             "norm_eps": float(hf.get("rms_norm_eps", defaults["rms_norm_eps"])),
-             "param_dtype": dtype}
-    moe = {"num_experts": 0}
-    if arch == MIXTRAL:
-        moe = {"num_experts": dims["E"], "top_k": hf["num_experts_per_tok"], "every": 1,
-               "shared_experts": 0, "router": "topk_then_softmax", "expert_mlp_dim": None,
-               "mode": "dropless"}
+             "mlp_dim": dims["dense_F"] or dims["F"], "vocab_size": dims["V"],
+             "max_seq_len": max_seq_len, "rope_theta": _rope_theta(hf, defaults["rope_theta"]),
+             "norm_eps": float(get("rms_norm_eps")), "param_dtype": dtype,
+             "qk_norm": bool(dims.get("qk_norm"))}
+    if "mla" in dims:
+        mla = dims["mla"]
+        model.update(attention="mla", num_kv_heads=None, head_dim=None,
+                     q_lora_rank=mla["Q"] or None, kv_lora_rank=mla["C"],
+                     qk_nope_head_dim=mla["Kn"], qk_rope_head_dim=mla["Kr"],
+                     v_head_dim=mla["Vh"])
+    if not dims["E"]:
+        return model, {"num_experts": 0}
+    moe = {"num_experts": dims["E"], "top_k": hf["num_experts_per_tok"], "every": 1,
+           "shared_experts": 0, "router": "topk_then_softmax", "expert_mlp_dim": None,
+           "mode": "dropless"}
+    if arch == QWEN3_MOE:
+        moe.update(expert_mlp_dim=dims["F"], router="topk_then_softmax" if get("norm_topk_prob")
+                   else "softmax_then_topk")
+    elif arch == DEEPSEEK_V3:
+        moe.update(expert_mlp_dim=dims["F"], shared_experts=get("n_shared_experts"),
+                   score="sigmoid", route_groups=get("n_group"),
+                   route_top_groups=get("topk_group"),
+                   route_scale=float(get("routed_scaling_factor")),
+                   bias_update_rate=DEEPSEEK_BIAS_RATE if dims.get("bias") else 0.0)
     return model, moe
+
+
+def _drop_deepseek_extras(hf_config: dict, dims: dict, state_dict: dict) -> dict:
+    """Multi-token-prediction layers (index >= num_hidden_layers) dropped with a note; an
+    all-zero e_score_correction_bias (no bias) dropped, any other kept as the router bias."""
+    n, kept, dropped = dims["N"], {}, set()
+    for name, array in state_dict.items():
+        parts = name.split(".")
+        if name.startswith("model.layers.") and parts[2].isdigit() and int(parts[2]) >= n:
+            dropped.add(int(parts[2]))
+            continue
+        kept[name] = array
+    if dropped:
+        print(f"note: ignoring multi-token-prediction layers {sorted(dropped)} (index >= "
+              f"num_hidden_layers={n}): jaxtron trains next-token prediction only.", flush=True)
+    biases = [name for name in kept if name.endswith(".mlp.gate.e_score_correction_bias")]
+    dims["bias"] = any(np.any(np.asarray(kept[name]) != 0) for name in biases)
+    if not dims["bias"]:
+        for name in biases:
+            del kept[name]
+    return kept
 
 
 def from_hf(hf_config: dict, state_dict: dict) -> tuple[dict, dict, dict]:
     """HF config.json dict and tensors -> (model overrides, moe overrides, params pure dict).
 
     The overrides are `model.*` / `moe.*` config fields (e.g. `make_config(model=..., moe=...)`);
-    the MoE runs dropless, as Mixtral does. Tied embeddings are untied by copying the table; a
-    `sliding_window` shorter than max_position_embeddings becomes `model.max_seq_len`."""
+    the MoE runs dropless, as the HF models do. Tied embeddings are untied by copying the table; a
+    `sliding_window` shorter than max_position_embeddings becomes `model.max_seq_len`. A nonzero
+    DeepSeek `e_score_correction_bias` becomes the router bias, with moe.bias_update_rate=1e-3."""
     arch, dims = _read_config(hf_config)
     state_dict = dict(state_dict)
     if hf_config.get("tie_word_embeddings") and "lm_head.weight" not in state_dict:
         if "model.embed_tokens.weight" in state_dict:
             state_dict["lm_head.weight"] = state_dict["model.embed_tokens.weight"]
+    if arch == DEEPSEEK_V3:
+        state_dict = _deepseek_rows(_drop_deepseek_extras(hf_config, dims, state_dict), dims,
+                                    to_ours=True)
     table = _tensor_table(dims)
     _check_names(arch, {row[0] for row in table}, state_dict)
     arrays = {}

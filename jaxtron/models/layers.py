@@ -61,6 +61,13 @@ def make_norm(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
     return LayerNorm(cfg, rngs) if cfg.type == "gpt2" else RMSNorm(cfg, rngs)
 
 
+def head_rms_norm(x_BxLxHxK, scale_K, eps: float):
+    """RMSNorm over each head's last axis (QK-norm), statistics in fp32 as in `RMSNorm`."""
+    x = x_BxLxHxK.astype(jnp.float32)
+    x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+    return (x * scale_K.astype(jnp.float32)).astype(x_BxLxHxK.dtype)
+
+
 def rotary(x_BxLxHxK, positions, theta: float):
     """RoPE (Su et al. 2021), rotating pairs (i, i + K/2) as Llama does. `positions` is [L]
     (every row alike) or [B, L] (packed rows, restarting at each document)."""
@@ -94,9 +101,13 @@ class Attention(nnx.Module):
             self.bk = param(rngs, zeros, (g, k), ("kv_heads", "head_dim"), pd)
             self.bv = param(rngs, zeros, (g, k), ("kv_heads", "head_dim"), pd)
             self.bo = param(rngs, zeros, (d,), ("embed",), pd)
+        if cfg.qk_norm:  # Qwen3: RMSNorm of each head's query and key, one scale per head dim
+            ones = nnx.initializers.ones
+            self.q_norm = param(rngs, ones, (k,), ("head_dim",), pd)
+            self.k_norm = param(rngs, ones, (k,), ("head_dim",), pd)
 
     def project_qkv(self, x_BxLxD, positions):
-        """q_BxLxHxK, k/v_BxLxGxK with biases and rotary positions applied."""
+        """q_BxLxHxK, k/v_BxLxGxK with biases, QK-norm and rotary positions applied."""
         cfg, dt = self.cfg, x_BxLxD.dtype
         q_BxLxHxK = jnp.einsum("bld,dhk->blhk", x_BxLxD, self.wq[...].astype(dt))
         k_BxLxGxK = jnp.einsum("bld,dgk->blgk", x_BxLxD, self.wk[...].astype(dt))
@@ -105,6 +116,9 @@ class Attention(nnx.Module):
             q_BxLxHxK += self.bq[...].astype(dt)
             k_BxLxGxK += self.bk[...].astype(dt)
             v_BxLxGxK += self.bv[...].astype(dt)
+        if cfg.qk_norm:  # before RoPE, as Qwen3 does
+            q_BxLxHxK = head_rms_norm(q_BxLxHxK, self.q_norm[...], cfg.norm_eps)
+            k_BxLxGxK = head_rms_norm(k_BxLxGxK, self.k_norm[...], cfg.norm_eps)
         if cfg.type == "llama":
             q_BxLxHxK = rotary(q_BxLxHxK, positions, cfg.rope_theta)
             k_BxLxGxK = rotary(k_BxLxGxK, positions, cfg.rope_theta)
