@@ -641,9 +641,6 @@ def _validate_moe(c: Config) -> None:
     _check(moe.route_scale > 0, f"moe.route_scale={moe.route_scale} must be > 0.")
     _check(moe.bias_update_rate >= 0,
            f"moe.bias_update_rate={moe.bias_update_rate} must be 0 (off) or positive.")
-    _check(moe.bias_update_rate == 0 or c.mesh.stage == 1,
-           "moe.bias_update_rate > 0 with mesh.stage > 1 is not supported yet (the per-layer "
-           "expert loads do not leave the pipeline's stages); set one of them back.")
     groups, top_groups = moe.route_groups, moe.route_top_groups
     _check(groups >= 1 and moe.num_experts % groups == 0,
            f"moe.route_groups={groups} must divide moe.num_experts={moe.num_experts} into equal "

@@ -129,7 +129,8 @@ def run_blocks(cfg: ModelConfig, graphdef, stacked, x_BxLxD, active_N=None,
         load = layer_stats.pop("load", None)
         if active is not None:  # a padding unit: no output, no statistics
             y = jnp.where(active, y, x)
-            layer_stats = jax.tree.map(lambda s: jnp.where(active, s, 0.0), layer_stats)
+            layer_stats, load = jax.tree.map(lambda s: jnp.where(active, s, 0.0),
+                                             (layer_stats, load))
         return (y, jax.tree.map(jnp.add, stats, layer_stats)), load
 
     if cfg.remat != "none":

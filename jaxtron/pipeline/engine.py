@@ -134,9 +134,24 @@ class _Plan:
         x = jax.eval_shape(self.first_fn, first_p, shared_p, microbatch(inputs, 0))
         _, extra = jax.eval_shape(self.stage_fn, chunk_p, chunk_active,
                                   jnp.zeros(x.shape, x.dtype), microbatch(inputs, 0))
-        names = ["loss", *(name for name in extra if name != "objective")]
-        return {name: jnp.zeros((), jnp.float32) for name in names}
-        return y, loss
+        scalars = {"loss": jnp.zeros((), jnp.float32)}
+        per_chunk = {}
+        for name, value in extra.items():
+            if name == "objective":
+                continue
+            if value.ndim:  # one value per layer of the chunk: kept per chunk, not summed
+                per_chunk[name] = jnp.zeros((self.table.virtual, *value.shape), value.dtype)
+            else:
+                scalars[name] = jnp.zeros((), jnp.float32)
+        return scalars, per_chunk
+
+    @staticmethod
+    def add_metrics(acc, metrics, chunk, scale):
+        """Scalars summed; per-chunk arrays (e.g. each layer's expert load) added at `chunk`."""
+        scalars, per_chunk = acc
+        scalars = {k: v + metrics[k] * scale for k, v in scalars.items()}
+        per_chunk = {k: v.at[chunk].add(metrics[k] * scale) for k, v in per_chunk.items()}
+        return scalars, per_chunk
 
     @staticmethod
     def chunk(stage_p, active, chunk):
@@ -155,7 +170,9 @@ def pipeline_value_and_grad(table: Table, mesh: Mesh, first_fn: Callable, stage_
     extra) with extra["objective"] a term the stage adds to the objective (auxiliary losses;
     0 for none) and its other entries scalar metrics; last_fn(last, shared, x, targets) -> mean
     loss of the microbatch. The objective is the loss plus every stage's terms; metrics holds
-    the loss and the stages' metrics, each summed over stages and averaged like the loss. `inputs_M` and
+    the loss and the stages' scalar metrics, each summed over stages and averaged like the loss,
+    and a stage's array metrics (one row per layer, e.g. expert loads) in the pipeline layout
+    [p, v, ...], averaged over microbatches and replicas. `inputs_M` and
     `targets_M` are trees of [M, ...] arrays (a microbatch's tokens, and whatever else its
     stages read: positions, segment ids, loss weights), each function given its microbatch. The ends (`first_s`,
     `last_s`, `shared_s`) are split `[p, n/p, ...]` and reach first_fn / last_fn whole, `[n, ...]`
@@ -188,8 +205,7 @@ def pipeline_value_and_grad(table: Table, mesh: Mesh, first_fn: Callable, stage_
                                                      chunk_active, first_p, shared_p, chunk_p,
                                                      last_p, x_in)
             carry = dict(carry, loss=carry["loss"] + objective * scale,
-                         metrics=jax.tree.map(lambda acc, v: acc + v * scale, carry["metrics"],
-                                              metrics))
+                         metrics=plan.add_metrics(carry["metrics"], metrics, chunk, scale))
             is_last = chunk * p + me == plan.last_stage
             return carry, jnp.where(is_last, zeros_x, y), zeros_x
 
@@ -233,11 +249,16 @@ def pipeline_value_and_grad(table: Table, mesh: Mesh, first_fn: Callable, stage_
         carry = jax.lax.fori_loop(0, table.ticks, tick, carry)
         g_ends = send_back((carry["g_first"], carry["g_last"], carry["g_shared"]))
         g_stage = jax.tree.map(lambda g: g[None], carry["g_stage"])
-        # Every rank's share (the loss from the last stage, each stage's auxiliary terms), summed.
-        loss, metrics = jax.lax.psum((carry["loss"], carry["metrics"]), (AXIS, *replicas))
+        # Every rank's share (the loss from the last stage, each stage's auxiliary terms), summed;
+        # per-chunk metrics stay with their rank, [1, v, ...], in the pipeline layout.
+        scalars, per_chunk = carry["metrics"]
+        loss, scalars = jax.lax.psum((carry["loss"], scalars), (AXIS, *replicas))
+        if replicas:
+            per_chunk = jax.lax.psum(per_chunk, replicas)
+        per_chunk = jax.tree.map(lambda a: a[None], per_chunk)
         # Unreduced over the replicas: a leading [1] per replica, summed after the map.
         unreduced = jax.tree.map(lambda g: g[None], (g_ends, g_stage))
-        return (loss, metrics), unreduced if replicas else (g_ends, g_stage)
+        return (loss, scalars, per_chunk), unreduced if replicas else (g_ends, g_stage)
 
     def value_and_grad(first_s, last_s, shared_s, stage_p, active, inputs_M, targets_M):
         replicas = plan.replicas()
@@ -247,13 +268,14 @@ def pipeline_value_and_grad(table: Table, mesh: Mesh, first_fn: Callable, stage_
                 return body(replicas, *args)
 
         grads_spec = PartitionSpec(replicas, AXIS) if replicas else PartitionSpec(AXIS)
-        mapped = plan.shard_map(run, replicas, (PartitionSpec(), grads_spec))
-        out, (g_ends, g_stage) = mapped(first_s, last_s, shared_s, stage_p, active, inputs_M,
-                                        targets_M)
+        out_specs = ((PartitionSpec(), PartitionSpec(), PartitionSpec(AXIS)), grads_spec)
+        mapped = plan.shard_map(run, replicas, out_specs)
+        (loss, scalars, per_chunk), (g_ends, g_stage) = mapped(
+            first_s, last_s, shared_s, stage_p, active, inputs_M, targets_M)
         if replicas:  # the data-parallel reduction, once per step
             g_ends, g_stage = jax.tree.map(lambda g: g.sum(0), (g_ends, g_stage))
         g_first, g_last, g_shared = g_ends
-        return out, (g_first, g_last, g_shared, g_stage)
+        return (loss, {**scalars, **per_chunk}), (g_first, g_last, g_shared, g_stage)
 
     return value_and_grad
 
