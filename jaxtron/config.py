@@ -49,6 +49,10 @@ class ModelConfig:
     vocab_size: int = _f(256, "embedding rows; must cover the data's tokenizer")
     max_seq_len: int = _f(2048, "longest sequence the position encoding supports")
     rope_theta: float = _f(10000.0, "RoPE base frequency (llama)")
+    mtp_depth: int = _f(0, "multi-token prediction modules (DeepSeek-V3: 1), each predicting "
+                        "one token further ahead; 0 = off")
+    mtp_loss_coef: float = _f(0.3, "weight of the mean multi-token-prediction loss in the "
+                              "objective (DeepSeek-V3: 0.3, later 0.1)")
     norm_eps: float = _f(1e-5, "epsilon of RMSNorm / LayerNorm")
     init_std: float = _f(0.02, "standard deviation of the normal weight initialiser")
     dtype: str = _f("auto", "compute dtype of activations and matmuls (auto = bfloat16 on "
@@ -544,6 +548,16 @@ def validate(c: Config) -> None:
     _check(m.type != "llama" or m.resolved_head_dim % 2 == 0,
            f"RoPE needs an even head dimension; model.head_dim resolves to {m.resolved_head_dim}.")
     _check_blend(d)
+    if m.mtp_depth:
+        _check(m.mtp_depth > 0 and m.mtp_depth < d.seq_len,
+               f"model.mtp_depth={m.mtp_depth} must be 0 (off) or between 1 and "
+               f"data.seq_len - 1.")
+        _check(m.type == "llama", "model.mtp_depth needs model.type=llama (its modules embed "
+               "future tokens without learned positions).")
+        _check(c.mesh.sequence == 1 and c.mesh.stage == 1,
+               "model.mtp_depth > 0 with mesh.sequence > 1 or mesh.stage > 1 is not supported "
+               "yet (its shifted sequences need the natural token order and the last stage "
+               "would need the embedding); set those to 1.")
     _check(d.workers >= 0 and d.prefetch >= 0,
            f"data.workers={d.workers} and data.prefetch={d.prefetch} must be 0 or more.")
     _check(d.seq_len <= m.max_seq_len,

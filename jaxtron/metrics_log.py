@@ -66,6 +66,8 @@ class MetricsLog:
         if "moe_dropped" in record:
             line += (f" | moe balance {record['moe_balance']:.3f} max_load "
                      f"{record['moe_max_load']:.2f} dropped {100 * record['moe_dropped']:.1f}%")
+        if "mtp_loss" in record:
+            line += f" | mtp_loss {record['mtp_loss']:.4f}"
         if "eval_loss" in record:
             line += f" | eval_loss {record['eval_loss']:.4f}"
             per_source = [f"{key.removeprefix('eval_loss/')} {value:.4f}"
@@ -119,7 +121,8 @@ class Reporter:
                   "mfu": self.flops * steps_per_s / self.peak,
                   "data_wait_s": self._data_wait_s / steps}
         self._time, self._step, self._eval_s, self._data_wait_s = now, step, 0.0, 0.0
-        record.update({k: v for k, v in values.items() if k.startswith("moe_")})
+        record.update({k: v for k, v in values.items()
+                       if k.startswith("moe_") or k == "mtp_loss"})
         record["skipped_updates"] = int(values.get("skipped_updates", 0))
         record.update(eval_losses or {})
         self.log.write(record)

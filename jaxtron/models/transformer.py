@@ -29,6 +29,7 @@ from jaxtron.kernels.blockwise import ATTENTION_RESIDUALS
 from jaxtron.kernels.cross_entropy import chunked_cross_entropy
 from jaxtron.models.blocks import MOE_STATS, Block, BlockGroup
 from jaxtron.models.layers import make_norm, normal, param
+from jaxtron.models.mtp import MultiTokenPrediction
 from jaxtron.models.token_layout import PLAIN, TokenLayout
 from jaxtron.sharding.rules import constrain
 
@@ -159,6 +160,8 @@ class Transformer(nnx.Module):
         self.embedder = Embedder(cfg, rngs)
         self.blocks = make_blocks(cfg, rngs, self.moe)
         self.head = Head(cfg, rngs)
+        if cfg.mtp_depth:
+            self.mtp = MultiTokenPrediction(cfg, rngs)
 
     def __call__(self, tokens_BxL, layout: TokenLayout = PLAIN):
         """Token ids -> logits_BxLxV in the compute dtype."""
@@ -173,8 +176,18 @@ class Transformer(nnx.Module):
     def loss(self, tokens_BxL, targets_BxL, layout: TokenLayout = PLAIN, weights_BxL=None):
         """-> (mean next-token loss, aux) without returning logits (see Head.loss)."""
         x_BxLxD, aux = self._trunk(tokens_BxL, layout)
-        return self.head.loss(x_BxLxD, targets_BxL, self.embedder.embed[...],
-                              weights_BxL), aux
+        table = self.embedder.embed[...]
+        loss = self.head.loss(x_BxLxD, targets_BxL, table, weights_BxL)
+        if self.cfg.mtp_depth:
+            depth_losses = self.mtp.losses(
+                x_BxLxD, tokens_BxL, targets_BxL, embed=self.embedder,
+                head_loss=lambda h, t, w: self.head.loss(h, t, table, w),
+                layout=layout, weights_BxL=weights_BxL)
+            aux = dict(aux)
+            aux["mtp_loss"] = sum(depth_losses) / len(depth_losses)
+            aux["weighted_terms"] = [*aux.get("weighted_terms", []),
+                                     self.cfg.mtp_loss_coef * aux["mtp_loss"]]
+        return loss, aux
 
     def _trunk(self, tokens_BxL, layout: TokenLayout):
         positions = None if layout.positions is None and layout.order is None else \

@@ -1,0 +1,67 @@
+"""Multi-token prediction (DeepSeek-V3, sec. 2.2): D extra modules, the k-th predicting token
+i + k + 1 from position i, sharing the model's embedding and output head.
+
+Module k combines the previous depth's hidden state at position i with the embedding of token
+i + k (each RMS-normalised, concatenated, projected from 2D back to D), runs one transformer
+block over the result, and scores the next-next token with the shared head:
+
+    h_k[i] = Block_k(W_k [norm(h_{k-1}[i]); norm(Emb(t[i + k]))])     loss_k = CE(head(h_k[i]), t[i + k + 1])
+
+with h_0 the main model's last hidden state (before its final norm). The objective adds
+`model.mtp_loss_coef` x the mean of the D losses; the main prediction is unchanged, and the
+modules can be dropped at inference. Shapes stay [B, L]: the last k positions of depth k have no
+target and are masked out of its loss instead of cut off (causal attention keeps them from
+influencing earlier positions), so every depth runs at the sequence length the kernels and
+shardings expect. A prediction whose target lies in another packed document is masked too.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxtron.config import ModelConfig
+from jaxtron.models.blocks import Block
+from jaxtron.models.layers import RMSNorm, normal, param
+from jaxtron.models.token_layout import TokenLayout
+
+
+class MTPModule(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.norm_hidden = RMSNorm(cfg, rngs)
+        self.norm_embedded = RMSNorm(cfg, rngs)
+        self.proj = param(rngs, normal(cfg.init_std), (2 * cfg.d_model, cfg.d_model),
+                          (None, "embed"), cfg.param_dtype)
+        self.block = Block(cfg, rngs)
+
+    def __call__(self, h_BxLxD, embedded_BxLxD, layout: TokenLayout):
+        both = jnp.concatenate([self.norm_hidden(h_BxLxD), self.norm_embedded(embedded_BxLxD)],
+                               axis=-1)
+        x_BxLxD = both @ self.proj[...].astype(both.dtype)
+        return self.block(x_BxLxD, layout)[0]
+
+
+class MultiTokenPrediction(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.modules = nnx.List([MTPModule(cfg, rngs) for _ in range(cfg.mtp_depth)])
+
+    def losses(self, h_BxLxD, inputs_BxL, targets_BxL, embed, head_loss,
+               layout: TokenLayout, weights_BxL=None) -> list:
+        """Mean loss of each depth. `embed(tokens_BxL)` is the model's embedding and
+        `head_loss(h, targets, weights)` its head's weighted mean loss over B x L."""
+        length = inputs_BxL.shape[1]
+        j = jnp.arange(length)
+        losses = []
+        for k, module in enumerate(self.modules, start=1):
+            ahead = lambda a, fill=0: jnp.concatenate(  # noqa: E731
+                [a[:, k:], jnp.full_like(a[:, :k], fill)], axis=1)
+            h_BxLxD = module(h_BxLxD, embed(ahead(inputs_BxL)), layout)
+            valid = (j < length - k).astype(jnp.float32)[None, :]
+            if layout.segment_ids is not None:  # the target must be in the same document
+                valid = valid * (layout.segment_ids == ahead(layout.segment_ids, -1))
+            if weights_BxL is None:  # the mean over the L - k predictions that exist
+                weights = valid * (length / (length - k))
+            else:
+                weights = ahead(weights_BxL) * valid
+            losses.append(head_loss(h_BxLxD, ahead(targets_BxL), weights))
+        return losses
