@@ -1,8 +1,5 @@
 """Weighted blends: proportions, one stream per seed, exact resume mid-blend, per-source loss."""
 
-import signal
-import subprocess
-
 import numpy as np
 import pytest
 
@@ -12,7 +9,7 @@ from jaxtron.data.pipeline import eval_batches, open_sources, train_batches
 from jaxtron.errors import ConfigError, DataError
 
 from conftest import make_config, metric_records
-from test_checkpoint import run_until, train_cmd
+from test_checkpoint import whole_and_killed_runs
 
 SEQ = 16
 
@@ -109,17 +106,9 @@ def test_kill_9_mid_blend_then_resume_reproduces_the_losses_bitwise(tmp_path):
     blend = ["data.blend=0.6 builtin:stdlib 0.4 " + other, "data.packing=documents",
              "data.eod_mask_loss=true", "train.steps=8", "checkpoint.every=3",
              "train.eval_every=4", "train.eval_batches=1"]
-    whole = subprocess.run(train_cmd(tmp_path / "whole", *blend), capture_output=True,
-                           text=True, timeout=600)
-    assert whole.returncode == 0, whole.stderr[-2000:]
-    code, out = run_until(train_cmd(tmp_path / "killed", *blend), "step 5/8", signal.SIGKILL)
-    assert code == -signal.SIGKILL, out[-2000:]
-    resumed = subprocess.run(train_cmd(tmp_path / "killed", *blend), capture_output=True,
-                             text=True, timeout=600)
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert "resumed from" in resumed.stdout
-    whole_rows = {r["step"]: r for r in metric_records(tmp_path / "whole")}
-    killed_rows = {r["step"]: r for r in metric_records(tmp_path / "killed")}
+    whole, killed = whole_and_killed_runs(tmp_path, blend, "step 5/8")
+    whole_rows = {r["step"]: r for r in metric_records(whole)}
+    killed_rows = {r["step"]: r for r in metric_records(killed)}
     assert {s: r["loss"] for s, r in killed_rows.items()} == \
         {s: r["loss"] for s, r in whole_rows.items()}
     evaluated = whole_rows[8]

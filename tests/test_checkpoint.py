@@ -41,18 +41,25 @@ def run_until(cmd, marker, sig):
     return proc.returncode, "".join(lines) + rest
 
 
-def test_kill_9_then_resume_reproduces_the_uninterrupted_losses_bitwise(tmp_path):
-    steps = ["train.steps=12", "checkpoint.every=3"]
-    whole = subprocess.run(train_cmd(tmp_path / "whole", *steps), capture_output=True,
+def whole_and_killed_runs(tmp_path, args, kill_at: str):
+    """Train `args` once whole (tmp_path/whole) and once killed with SIGKILL when `kill_at` is
+    printed, then resumed by the same command (tmp_path/killed)."""
+    whole = subprocess.run(train_cmd(tmp_path / "whole", *args), capture_output=True,
                            text=True, timeout=600)
     assert whole.returncode == 0, whole.stderr[-2000:]
-    code, out = run_until(train_cmd(tmp_path / "killed", *steps), "step  8/12", signal.SIGKILL)
+    code, out = run_until(train_cmd(tmp_path / "killed", *args), kill_at, signal.SIGKILL)
     assert code == -signal.SIGKILL, out[-2000:]
-    resumed = subprocess.run(train_cmd(tmp_path / "killed", *steps), capture_output=True,
+    resumed = subprocess.run(train_cmd(tmp_path / "killed", *args), capture_output=True,
                              text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "resumed from" in resumed.stdout
-    expected, got = losses_by_step(tmp_path / "whole"), losses_by_step(tmp_path / "killed")
+    return tmp_path / "whole", tmp_path / "killed"
+
+
+def test_kill_9_then_resume_reproduces_the_uninterrupted_losses_bitwise(tmp_path):
+    whole, killed = whole_and_killed_runs(tmp_path, ["train.steps=12", "checkpoint.every=3"],
+                                          "step  8/12")
+    expected, got = losses_by_step(whole), losses_by_step(killed)
     # One row per step: the rows of steps 7-8, logged before the kill and run again after the
     # resume from step 6, were replaced, not repeated.
     assert [r["step"] for r in metric_records(tmp_path / "killed")] == list(range(1, 13))

@@ -219,9 +219,3 @@ def test_flop_count_covers_every_matrix(q_lora):
 def test_config_errors_name_the_field(model, fragment):
     with pytest.raises(ConfigError, match=fragment):
         make_config(model={**MLA, **model})
-
-
-def test_export_to_hugging_face_refuses_mla():
-    from jaxtron.hf import to_hf
-    with pytest.raises(ConfigError, match="model.attention=mla cannot be exported"):
-        to_hf(make_config(model=MLA), {})

@@ -75,7 +75,6 @@ LAYOUTS = {
     "xla": ({}, {}),
     "pallas": ({"attention_impl": "pallas"}, {}),
     "gpt2": ({"type": "gpt2", "num_kv_heads": None}, {}),
-    "data2_tensor2": ({}, {"mesh": {"data": 2, "tensor": 2}}),
     "context_parallel": ({}, {"mesh": {"data": 2, "sequence": 4}}),
     "pipeline": ({}, {"mesh": {"stage": 2, "data": 2}, "pipeline": {"microbatches": 2}}),
 }
