@@ -142,10 +142,12 @@ class Checkpointer:
             free = "no space is"  # the folder itself is gone
         step = self._in_flight
         which = f"checkpoint step {step}" if step is not None else "a checkpoint"
-        return CheckpointError(
+        error = CheckpointError(
             f"writing {which} to {self.directory} failed ({type(err).__name__}: {first}); "
             f"{free} free there. Free space or fix the folder, then run "
             f"the same command to resume. {self._intact()}")
+        error.from_background = True  # the write's threads report too: let them finish first
+        return error
 
     def saved_config(self, step: int) -> dict:
         try:

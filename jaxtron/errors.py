@@ -5,7 +5,11 @@ with status 2; anything else that escapes is a bug and keeps its traceback.
 """
 
 import functools
+import logging
+import os
 import sys
+import threading
+import time
 
 
 class JaxtronError(Exception):
@@ -28,7 +32,35 @@ def exits_on_user_error(main):
         try:
             return main(*args, **kwargs)
         except JaxtronError as err:
-            print(f"error: {err}", file=sys.stderr)
+            if getattr(err, "from_background", False):
+                _let_background_threads_finish()
+            print(f"error: {err}", file=sys.stderr, flush=True)
             return 2
 
     return wrapper
+
+
+def _let_background_threads_finish(timeout_s: float = 5.0) -> None:
+    """Threads that failed with the run (an Orbax write's) print their own report as they
+    end: give them a few seconds, so that the error line comes after it, not inside it. Set
+    `from_background` on an error raised for such a failure."""
+    deadline = time.monotonic() + timeout_s
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+
+def exit_command(code: int):
+    """Leave a command with `code`. After an error line (status 2) nothing more is printed:
+    background machinery that failed with the run (an Orbax write's asyncio tasks and threads)
+    would otherwise report the same failure again, as tracebacks, while the interpreter shuts
+    down. Only for a process that is ending (a command's `__main__`), never in a library call."""
+    if code == 2:
+        sys.stderr.flush()
+        logging.getLogger("asyncio").disabled = True
+        logging.getLogger("absl").disabled = True
+        sys.unraisablehook = lambda unraisable: None
+        threading.excepthook = lambda args: None
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stderr.fileno())
+    sys.exit(code)

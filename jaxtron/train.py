@@ -30,7 +30,7 @@ from jaxtron.dry_run import dry_run
 from jaxtron.fits import check_fits
 from jaxtron.loop import LoopPolicy
 from jaxtron.metrics_log import MetricsLog, Reporter
-from jaxtron.errors import ConfigError, JaxtronError, exits_on_user_error
+from jaxtron.errors import ConfigError, JaxtronError, exit_command, exits_on_user_error
 from jaxtron.platforms import PLATFORMS, simulate_cpu_devices
 from jaxtron.preemption import PreemptionGuard
 from jaxtron.profiling import StepProfiler, plot_loss_curve
@@ -332,4 +332,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_command(main())
