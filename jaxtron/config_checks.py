@@ -78,10 +78,6 @@ def validate(c: Config) -> None:
                f"data.seq_len - 1.")
         _check(m.type == "llama", "model.mtp_depth needs model.type=llama (its modules embed "
                "future tokens without learned positions).")
-        _check(c.mesh.sequence == 1 and c.mesh.stage == 1,
-               "model.mtp_depth > 0 with mesh.sequence > 1 or mesh.stage > 1 is not supported "
-               "yet (its shifted sequences need the natural token order and the last stage "
-               "would need the embedding); set those to 1.")
     _check(d.workers >= 0 and d.prefetch >= 0,
            f"data.workers={d.workers} and data.prefetch={d.prefetch} must be 0 or more.")
     _check(d.seq_len <= m.max_seq_len,

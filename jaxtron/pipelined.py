@@ -35,9 +35,6 @@ from jaxtron.pipeline.schedule import build_table, forward_table
 from jaxtron.sharding.rules import optimizer_rules, param_rules
 from jaxtron.step import counted_tokens_mean, model_inputs
 
-ENDS = ("embedder", "head")
-
-
 def _is_variable(x) -> bool:
     return isinstance(x, nnx.Variable)
 
@@ -61,8 +58,14 @@ class PipelinedTransformer:
         self.embedder_def = nnx.graphdef(model.embedder)
         self.blocks_def = nnx.graphdef(model.blocks)
         self.head_def = nnx.graphdef(model.head)
+        # What is not in the block stack: split evenly over the ranks and sent to its user.
+        # Multi-token prediction's modules run after the head's input, on the last stage.
+        self.ends = ("embedder", "head") + (("mtp",) if c.model.mtp_depth else ())
+        if c.model.mtp_depth:
+            self.mtp_def = nnx.graphdef(model.mtp)
         # The ends' Variables in the model layout: their shapes and logical axis names.
-        self._model_ends = {name: nnx.state(getattr(model, name), nnx.Param) for name in ENDS}
+        self._model_ends = {name: nnx.state(getattr(model, name), nnx.Param)
+                            for name in self.ends}
         self._rules = (param_rules(c), optimizer_rules(c))
         stage_fns = (self._first, self._stage, self._last)
         self._value_and_grad = pipeline_value_and_grad(self.table, mesh, *stage_fns)
@@ -105,7 +108,7 @@ class PipelinedTransformer:
     def _convert(self, params, blocks_fn, ends_fn) -> nnx.State:
         converted = dict(params.items())
         converted["blocks"] = jax.tree.map(blocks_fn, params["blocks"], is_leaf=_is_variable)
-        for name in ENDS:
+        for name in self.ends:
             converted[name] = self._map_with_model(params[name], name, ends_fn)
         return nnx.State(converted)
 
@@ -119,11 +122,15 @@ class PipelinedTransformer:
             is_leaf=_is_variable)
 
     def _split_ends(self, params):
-        """(first, last, shared): what only rank 0, only rank p - 1, and both of them use."""
+        """(first, last, shared): what only rank 0, only rank p - 1, and both of them use.
+        The last stage reads the embedding table for tied embeddings (its head) and for
+        multi-token prediction (the modules embed tokens ahead)."""
+        m = self.config.model
         embedder, shared = dict(params["embedder"].items()), {}
-        if self.config.model.tied_embeddings:
+        if m.tied_embeddings or m.mtp_depth:
             shared["embed"] = embedder.pop("embed")
-        return nnx.State(embedder), params["head"], nnx.State(shared)
+        last = nnx.State({name: params[name] for name in self.ends if name != "embedder"})
+        return nnx.State(embedder), last, nnx.State(shared)
 
     def _whole(self, tree, name):
         """An end gathered by the engine, [p * K, ...] -> the model layout [n, ...]."""
@@ -151,11 +158,27 @@ class PipelinedTransformer:
         return x_BxLxD, {"objective": objective, **aux}
 
     def _last(self, last, shared, x_BxLxD, targets):
-        head = nnx.merge(self.head_def, self._whole(last, "head"))
+        m = self.config.model
+        head = nnx.merge(self.head_def, self._whole(last["head"], "head"))
         table_VxD = None
-        if self.config.model.tied_embeddings:
+        if m.tied_embeddings or m.mtp_depth:
             table_VxD = self._whole(shared, "embedder")["embed"][...]
-        return head.loss(x_BxLxD, targets["targets"], table_VxD, targets.get("weights"))
+        head_table = table_VxD if m.tied_embeddings else None
+        weights = targets.get("weights")
+        loss = head.loss(x_BxLxD, targets["targets"], head_table, weights)
+        if not m.mtp_depth:
+            return loss, {"objective": jnp.zeros((), jnp.float32)}
+        embedder = nnx.merge(self.embedder_def, self._whole(
+            nnx.State({**dict(shared.items())}), "embedder"))
+        mtp = nnx.merge(self.mtp_def, self._whole(last["mtp"], "mtp"))
+        layout = TokenLayout(positions=targets.get("positions"),
+                             segment_ids=targets.get("segment_ids"))
+        depth_losses = mtp.losses(
+            x_BxLxD, targets["tokens"], targets["targets"], embed=embedder,
+            head_loss=lambda h, t, w: head.loss(h, t, head_table, w), layout=layout,
+            weights_BxL=weights)
+        mtp_loss = (sum(depth_losses) / len(depth_losses)).astype(jnp.float32)
+        return loss, {"objective": m.mtp_loss_coef * mtp_loss, "mtp_loss": mtp_loss}
 
     # -- loss and gradients ------------------------------------------------------------------
 
@@ -164,6 +187,9 @@ class PipelinedTransformer:
         inputs = {"tokens": inputs_BxL, "positions": layout.positions,
                   "segment_ids": layout.segment_ids}
         targets = {"targets": targets_BxL, "weights": weights_BxL}
+        if self.config.model.mtp_depth:  # the last stage's modules read the row itself
+            targets.update(tokens=inputs_BxL, positions=layout.positions,
+                           segment_ids=layout.segment_ids)
         # Microbatch i takes rows i, i + m, ...: each data-parallel shard stays on its devices.
         split = lambda tree: {k: a.reshape(a.shape[0] // m, m, *a.shape[1:]).swapaxes(0, 1)  # noqa: E731
                               for k, a in tree.items() if a is not None}
@@ -178,7 +204,7 @@ class PipelinedTransformer:
         g_embedder = {**dict(g_first.items()), **dict(g_shared.items())}
         g_embedder = nnx.State({key: g_embedder[key] for key in params["embedder"]})
         return (objective, metrics), nnx.State({"embedder": g_embedder, "blocks": g_blocks,
-                                                "head": g_last})
+                                                **dict(g_last.items())})
 
     def eval_loss(self, params: nnx.State, batch: dict):
         """Mean loss of a batch through a forward-only pipeline schedule."""

@@ -13,6 +13,9 @@ modules can be dropped at inference. Shapes stay [B, L]: the last k positions of
 target and are masked out of its loss instead of cut off (causal attention keeps them from
 influencing earlier positions), so every depth runs at the sequence length the kernels and
 shardings expect. A prediction whose target lies in another packed document is masked too.
+Under context parallelism the row arrives in zig-zag order (`TokenLayout.order`): the shift is
+taken in natural order, so the modules run sharded like every other block. On a pipeline they
+run on the last stage, which receives the embedding table for them.
 """
 
 from __future__ import annotations
@@ -50,13 +53,18 @@ class MultiTokenPrediction(nnx.Module):
         """Mean loss of each depth. `embed(tokens_BxL)` is the model's embedding and
         `head_loss(h, targets, weights)` its head's weighted mean loss over B x L."""
         length = inputs_BxL.shape[1]
-        j = jnp.arange(length)
+        # Each position's index in the row's natural order (context parallelism permutes the
+        # row): "k tokens ahead" means k ahead in that order, found by a gather of [B, L] ids.
+        natural_L = jnp.arange(length) if layout.order is None else jnp.asarray(layout.order)
+        slot_of_natural = jnp.argsort(natural_L)
         losses = []
         for k, module in enumerate(self.modules, start=1):
-            ahead = lambda a, fill=0: jnp.concatenate(  # noqa: E731
-                [a[:, k:], jnp.full_like(a[:, :k], fill)], axis=1)
+            ahead_L = slot_of_natural[jnp.minimum(natural_L + k, length - 1)]
+            exists_L = natural_L < length - k
+            ahead = lambda a, fill=0: jnp.where(  # noqa: E731
+                exists_L[None, :], jnp.take(a, ahead_L, axis=1), fill)
             h_BxLxD = module(h_BxLxD, embed(ahead(inputs_BxL)), layout)
-            valid = (j < length - k).astype(jnp.float32)[None, :]
+            valid = exists_L.astype(jnp.float32)[None, :]
             if layout.segment_ids is not None:  # the target must be in the same document
                 valid = valid * (layout.segment_ids == ahead(layout.segment_ids, -1))
             if weights_BxL is None:  # the mean over the L - k predictions that exist

@@ -121,22 +121,26 @@ class _Plan:
         x = jax.lax.cond(virtual_stage == 0, lambda: self.first_fn(fp, sp, inputs),
                          lambda: x_in)
         y, extra = self.stage_fn(cp, chunk_active, x, inputs)
-        loss = jax.lax.cond(virtual_stage == self.last_stage,
-                            lambda: self.last_fn(lp, sp, y, targets).astype(jnp.float32),
-                            lambda: jnp.zeros((), jnp.float32))
-        extra = dict(extra)
-        objective = loss + extra.pop("objective")
-        return (y, objective), {"loss": loss, **extra}
+        last = lambda: self.last_fn(lp, sp, y, targets)  # noqa: E731
+        loss, last_extra = jax.lax.cond(
+            virtual_stage == self.last_stage, last,
+            lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(last)))
+        extra, last_extra = dict(extra), dict(last_extra)
+        objective = loss.astype(jnp.float32) + extra.pop("objective") + last_extra.pop(
+            "objective")
+        return (y, objective), {"loss": loss.astype(jnp.float32), **extra, **last_extra}
 
-    def metric_zeros(self, stage_p, active, first_p, shared_p, inputs):
+    def metric_zeros(self, stage_p, active, first_p, shared_p, last_p, inputs, targets):
         """Zeros shaped like the metrics `composite` reports (the loss and the stage's own)."""
         chunk_p, chunk_active = self.chunk(stage_p, active, 0)
         x = jax.eval_shape(self.first_fn, first_p, shared_p, microbatch(inputs, 0))
-        _, extra = jax.eval_shape(self.stage_fn, chunk_p, chunk_active,
+        y, extra = jax.eval_shape(self.stage_fn, chunk_p, chunk_active,
                                   jnp.zeros(x.shape, x.dtype), microbatch(inputs, 0))
+        _, last_extra = jax.eval_shape(self.last_fn, last_p, shared_p,
+                                       jnp.zeros(y.shape, y.dtype), microbatch(targets, 0))
         scalars = {"loss": jnp.zeros((), jnp.float32)}
         per_chunk = {}
-        for name, value in extra.items():
+        for name, value in {**extra, **last_extra}.items():
             if name == "objective":
                 continue
             if value.ndim:  # one value per layer of the chunk: kept per chunk, not summed
@@ -168,8 +172,9 @@ def pipeline_value_and_grad(table: Table, mesh: Mesh, first_fn: Callable, stage_
 
     first_fn(first, shared, inputs) -> x; stage_fn(chunk_p, chunk_active, x, inputs) -> (x,
     extra) with extra["objective"] a term the stage adds to the objective (auxiliary losses;
-    0 for none) and its other entries scalar metrics; last_fn(last, shared, x, targets) -> mean
-    loss of the microbatch. The objective is the loss plus every stage's terms; metrics holds
+    0 for none) and its other entries scalar metrics; last_fn(last, shared, x, targets) -> (mean
+    loss of the microbatch, extra) with extra as a stage's (multi-token prediction's loss, say).
+    The objective is the loss plus every stage's terms; metrics holds
     the loss and the stages' scalar metrics, each summed over stages and averaged like the loss,
     and a stage's array metrics (one row per layer, e.g. expert loads) in the pipeline layout
     [p, v, ...], averaged over microbatches and replicas. `inputs_M` and
@@ -242,7 +247,8 @@ def pipeline_value_and_grad(table: Table, mesh: Mesh, first_fn: Callable, stage_
             "acts": jnp.zeros((table.act_slots + 1, *x_shape.shape), x_shape.dtype),
             "grads_in": jnp.zeros((table.grad_slots + 1, *x_shape.shape), x_shape.dtype),
             "loss": jnp.zeros((), jnp.float32),
-            "metrics": plan.metric_zeros(stage_p, active, first_p, shared_p, inputs),
+            "metrics": plan.metric_zeros(stage_p, active, first_p, shared_p, last_p, inputs,
+                                         targets),
             "g_first": zeros(first_p), "g_shared": zeros(shared_p), "g_last": zeros(last_p),
             "g_stage": zeros(stage_p),
         }
