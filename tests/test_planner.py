@@ -48,8 +48,11 @@ def test_predicted_moe_memory_is_close_to_xlas_compiled_memory():
 
 
 def test_parameter_and_optimizer_bytes_are_exact():
-    config = small_config()
-    for layout in (Layout(fsdp=8), Layout(data=2, tensor=4, zero_stage=1)):
+    for layout, moments in ((Layout(fsdp=8), "float32"),
+                            (Layout(data=2, tensor=4, zero_stage=1), "float32"),
+                            (Layout(data=2, tensor=4, zero_stage=1), "bfloat16")):
+        config = config_lib.load("configs/tiny.yaml",
+                                 validate.BASE + [f"optim.moment_dtype={moments}"])
         planned = apply(config, layout)
         trainer = Trainer(planned)
         state = trainer.abstract_state()

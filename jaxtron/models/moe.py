@@ -14,7 +14,8 @@ Execution, chosen by `moe.mode`:
 - `capacity`: each sequence gives every expert C = ceil(factor * L * k / E) slots. Assignments
   claim slots first by choice rank (all first choices before any second choice), then by
   position; an assignment that finds its expert full is dropped and the token keeps only its
-  residual. Tokens move through one-hot dispatch/combine einsums, so the capacity is static.
+  residual. Tokens move by gather into [B, E, C, D] slot buffers and back (no one-hot [L, E, C]
+  tensors), so the capacity is static and memory grows with E x C, not L x E x C.
 - `dropless`: every assignment is computed. Each sequence sorts its own L * k assignments by
   expert and runs them through one grouped matmul, `ragged_dot_general` over x[B, L*k, D] with
   group sizes [B, E] (one row of E sizes per sequence). Routing a token depends only on the
@@ -146,10 +147,20 @@ def capacity_slots(experts_BxLxK, num_experts: int, slots: int, positions_L=None
         back_L = jnp.argsort(order_L)
         return slot[:, back_L], keep[:, back_L]
     b, length, k = experts_BxLxK.shape
-    onehot_BxKLxE = jax.nn.one_hot(experts_BxLxK.transpose(0, 2, 1).reshape(b, k * length),
-                                   num_experts, dtype=jnp.int32)
-    position = jnp.cumsum(onehot_BxKLxE, axis=1) - 1
-    slot_BxKL = jnp.sum(position * onehot_BxKLxE, axis=-1)
+    # Claim order: choice rank, then position. A stable sort by expert keeps that order within
+    # each expert, so an assignment's slot is its rank in the sort minus its expert's first
+    # rank: O(L k log(L k)) per sequence, where a cumulative sum over one-hot rows costs L k E.
+    expert_BxKL = experts_BxLxK.transpose(0, 2, 1).reshape(b, k * length)
+    order_BxKL = jnp.argsort(expert_BxKL, axis=-1, stable=True)
+    sorted_BxKL = jnp.take_along_axis(expert_BxKL, order_BxKL, axis=-1)
+    first_BxE = jax.vmap(lambda row: jnp.searchsorted(row, jnp.arange(num_experts)))(
+        sorted_BxKL)
+    rank_BxKL = jnp.arange(k * length)[None, :] - jnp.take_along_axis(first_BxE, sorted_BxKL,
+                                                                       axis=-1)
+    # Scatters are vmapped over the sequence: a batch dimension GSPMD splits without moving
+    # data (explicit row indices would make it exchange rows with collective-permutes).
+    slot_BxKL = jax.vmap(lambda order, rank: jnp.zeros_like(rank).at[order].set(rank))(
+        order_BxKL, rank_BxKL)
     slot_BxLxK = slot_BxKL.reshape(b, k, length).transpose(0, 2, 1)
     return slot_BxLxK, slot_BxLxK < slots
 
@@ -223,15 +234,25 @@ class MoE(nnx.Module):
                        slots):
         e = self.moe.num_experts
         slot_BxLxK, keep_BxLxK = capacity_slots(experts_BxLxK, e, slots, positions_L)
-        dispatch = (jax.nn.one_hot(experts_BxLxK, e, dtype=x_BxLxD.dtype)[..., None] *
-                    jax.nn.one_hot(jnp.where(keep_BxLxK, slot_BxLxK, slots), slots,
-                                   dtype=x_BxLxD.dtype)[..., None, :])
-        dispatch_BxLxExC = dispatch.sum(axis=2)  # top-k experts are distinct
-        combine_BxLxExC = jnp.einsum("blkec,blk->blec", dispatch,
-                                     weights_BxLxK.astype(x_BxLxD.dtype))
-        x_BxExCxD = jnp.einsum("blec,bld->becd", dispatch_BxLxExC, x_BxLxD)
+        b, length, k = experts_BxLxK.shape
+        # Each kept assignment's row in the flat [E * C] buffer; dropped ones point one past
+        # it. Tokens move by gather/scatter on these indices: no [L, E, C] one-hot tensor,
+        # whose size (L x E x C per sequence) rules out fine-grained experts.
+        row_BxLK = jnp.where(keep_BxLxK, experts_BxLxK * slots + slot_BxLxK,
+                             e * slots).reshape(b, length * k)
+        token_BxLK = jnp.broadcast_to(jnp.arange(length * k) // k, (b, length * k))
+        # The token filling each slot (L for an empty slot: a zero row appended to x).
+        token_of_slot = jax.vmap(lambda rows, tokens: jnp.full(
+            e * slots + 1, length, jnp.int32).at[rows].set(tokens))(row_BxLK, token_BxLK)[:, :-1]
+        x_padded = jnp.concatenate([x_BxLxD, jnp.zeros_like(x_BxLxD[:, :1])], axis=1)
+        x_BxExCxD = jnp.take_along_axis(x_padded, token_of_slot[..., None], axis=1).reshape(
+            b, e, slots, -1)
         y_BxExCxD = expert_ffn(x_BxExCxD, *weights)
-        y_BxLxD = jnp.einsum("blec,becd->bld", combine_BxLxExC, y_BxExCxD)
+        y_flat = jnp.concatenate([y_BxExCxD.reshape(b, e * slots, -1),
+                                  jnp.zeros_like(y_BxExCxD[:, 0, :1])], axis=1)
+        y_BxLKxD = jnp.take_along_axis(y_flat, row_BxLK[..., None], axis=1)
+        y_BxLxD = jnp.einsum("blkd,blk->bld", y_BxLKxD.reshape(b, length, k, -1),
+                             weights_BxLxK.astype(x_BxLxD.dtype))
         return constrain(y_BxLxD, ("batch", "residual_seq", "embed")), keep_BxLxK
 
     def _dropless(self, x_BxLxD, weights_BxLxK, experts_BxLxK, weights):

@@ -39,6 +39,7 @@ import dataclasses
 import functools
 import math
 
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -128,9 +129,11 @@ def state_bytes(config: Config, layout: Layout) -> tuple[int, int, int]:
     # there is nothing to scatter over and the optimizer rules change nothing.
     grules = prules
     params = moments = grads = 0.0
+    moment_bytes = np.dtype(jnp.dtype(config.optim.moment_dtype)).itemsize
     for shape, names, itemsize in _parameter_shapes((config.model, config.moe)):
         params += itemsize * _sharded_elements(shape, names, prules, degrees, layout.stage)
-        moments += 2 * 4 * _sharded_elements(shape, names, orules, degrees, layout.stage)
+        moments += 2 * moment_bytes * _sharded_elements(shape, names, orules, degrees,
+                                                        layout.stage)
         grads += itemsize * _sharded_elements(shape, names, grules, degrees, layout.stage)
     if layout.grad_accum > 1 or layout.stage > 1:
         grads *= 2  # the running sum and the microbatch's (a pipeline tick's) gradients
@@ -206,14 +209,12 @@ def _mlp_width(config: Config, layout: Layout) -> float:
 
 def _moe_routing_elements(config: Config, layout: Layout) -> float:
     """Per token, what an MoE layer keeps beyond its expert hidden rows: each expert row's input
-    and output, and for slotted experts the one-hot dispatch and combine tensors [L, E, C]."""
-    moe = config.moe
-    if not moe.enabled:
+    and output. Slotted experts move tokens by gather on integer slot indices (negligible);
+    XLA gathers the k outputs back from the kept slot buffer in the backward rather than
+    keeping them (the compiled memory says so)."""
+    if not config.moe.enabled:
         return 0.0
-    rows = 2 * _expert_slots(config, layout) * config.model.d_model
-    if _slotted(config, layout):
-        rows += 2 * moe.num_experts * _capacity(config, layout)
-    return rows
+    return 2 * _expert_slots(config, layout) * config.model.d_model
 
 
 def expert_block_bytes(config: Config, layout: Layout) -> float:

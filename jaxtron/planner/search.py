@@ -5,7 +5,7 @@ sequence x tensor (tensor within one node and dividing the heads, MLP and vocabu
 dividing the experts; sequence only for sequences of 4k tokens or more), sequence parallelism
 with tensor > 1, ZeRO 0/1/2 with data > 1, remat none/save_dots/full, pipeline microbatches
 from p to 8p with 1F1B, GPipe and interleaved (2 chunks) schedules, and gradient accumulation
-to bring the microbatch down when nothing else fits. Each candidate passes the same checks a
+to bring the microbatch down (to one sequence) when nothing else fits. Each candidate passes the same checks a
 run does (`config.validate` and `trainer.check_layout`) before it is shown.
 """
 
@@ -49,11 +49,11 @@ def _meshes(config: Config, devices: int, node_size: int):
             for sequence in divisors(rest):
                 if sequence > 1 and (config.data.seq_len < 4096
                                      or config.data.seq_len % (2 * sequence)
-                                     or stage > 1 or config.moe.enabled):
+                                     or config.moe.enabled):
                     continue
                 for expert in divisors(rest // sequence):
                     if expert > 1 and (not config.moe.enabled
-                                       or config.moe.num_experts % expert or stage > 1):
+                                       or config.moe.num_experts % expert):
                         continue
                     for fsdp in divisors(rest // sequence // expert):
                         if m.d_model % fsdp:
@@ -61,6 +61,13 @@ def _meshes(config: Config, devices: int, node_size: int):
                         data = rest // sequence // expert // fsdp
                         yield Layout(data=data, fsdp=fsdp, tensor=tensor, sequence=sequence,
                                      expert=expert, stage=stage)
+
+
+def _accumulations(sequences: int) -> list[int]:
+    """Accumulation steps that divide a replica's `sequences` per microbatch: powers of two,
+    and all of them (one sequence per microbatch, as Megatron's large MoE recipes run)."""
+    steps = [a for a in (2 ** i for i in range(sequences.bit_length())) if sequences % a == 0]
+    return steps + ([sequences] if sequences and sequences not in steps else [])
 
 
 def _variants(config: Config, mesh: Layout):
@@ -82,9 +89,7 @@ def _variants(config: Config, mesh: Layout):
                 pipelines.append((mb, "interleaved", 2))
     for sp, zero, remat, (mb, schedule, virtual) in itertools.product(sps, zeros, REMATS,
                                                                      pipelines):
-        for accum in (1, 2, 4, 8, 16, 32):
-            if per_replica % (mb * accum):
-                break
+        for accum in _accumulations(per_replica // mb if per_replica % mb == 0 else 0):
             if sp and config.data.seq_len % (mesh.tensor * mesh.sequence):
                 continue
             yield dataclasses.replace(mesh, sequence_parallel=sp, zero_stage=zero, remat=remat,
