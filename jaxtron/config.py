@@ -116,6 +116,8 @@ class MoEConfig:
     top_k: int = _f(2, "experts each token is routed to")
     expert_mlp_dim: int | None = _f(None, "hidden width of each expert (null = model.mlp_dim)")
     every: int = _f(1, "an MoE layer every k-th block (k-1 dense blocks, then one MoE block)")
+    first_dense_layers: int = _f(0, "dense blocks (width model.mlp_dim) before the MoE ones, "
+                                 "which then follow moe.every (DeepSeek-V3: 3)")
     shared_experts: int = _f(0, "always-on shared experts (DeepSeek style), each expert_mlp_dim "
                              "wide")
     router: str = _f("topk_then_softmax", "softmax over the chosen k logits (Mixtral) or "
@@ -143,6 +145,11 @@ class MoEConfig:
     @property
     def enabled(self) -> bool:
         return self.num_experts > 0
+
+    def stacked_layers(self, num_layers: int) -> int:
+        """Blocks in the repeated stack: all of them, less the dense ones in front of an MoE
+        model's."""
+        return num_layers - (self.first_dense_layers if self.enabled else 0)
 
 
 @dataclass(frozen=True)

@@ -162,9 +162,15 @@ def _validate_moe(c: Config) -> None:
     _check(moe.num_experts >= 0, f"moe.num_experts={moe.num_experts} must be >= 0.")
     _check(1 <= moe.top_k <= moe.num_experts, f"moe.top_k={moe.top_k} must lie between 1 and "
            f"moe.num_experts={moe.num_experts}.")
-    _check(moe.every >= 1 and c.model.num_layers % moe.every == 0,
-           f"moe.every={moe.every} must divide model.num_layers={c.model.num_layers} (each "
-           "group of moe.every blocks ends with one MoE block).")
+    dense = moe.first_dense_layers
+    _check(0 <= dense < c.model.num_layers,
+           f"moe.first_dense_layers={dense} must lie between 0 and model.num_layers - 1 = "
+           f"{c.model.num_layers - 1} (at least one MoE layer).")
+    _check(moe.every >= 1 and (c.model.num_layers - dense) % moe.every == 0,
+           f"moe.every={moe.every} must divide "
+           + (f"the {c.model.num_layers - dense} layers after moe.first_dense_layers={dense}"
+              if dense else f"model.num_layers={c.model.num_layers}")
+           + " (each group of moe.every blocks ends with one MoE block).")
     _check(moe.capacity_factor > 0, f"moe.capacity_factor={moe.capacity_factor} must be > 0.")
     _check(expert == -1 or moe.num_experts % expert == 0,
            f"moe.num_experts={moe.num_experts} must be divisible by mesh.expert={expert} so "
@@ -207,7 +213,7 @@ def _validate_pipeline(c: Config) -> None:
     n_virtual = stages * v
     every = c.moe.every if c.moe.enabled else 1  # MoE models split in groups of `every` blocks
     if pp.layers_per_stage is None:
-        _check(c.model.num_layers // every >= n_virtual,
+        _check(c.moe.stacked_layers(c.model.num_layers) // every >= n_virtual,
                f"model.num_layers={c.model.num_layers} cannot be split over mesh.stage x "
                f"pipeline.virtual_stages = {n_virtual} pipeline stages"
                + (f" in groups of moe.every={every} blocks" if every > 1 else "")
@@ -219,9 +225,14 @@ def _validate_pipeline(c: Config) -> None:
                f"pipeline.layers_per_stage={list(counts)} must list {n_virtual} positive layer "
                f"counts (mesh.stage x pipeline.virtual_stages) summing to model.num_layers="
                f"{c.model.num_layers}.")
-        _check(all(count % every == 0 for count in counts),
+        dense = c.model.num_layers - c.moe.stacked_layers(c.model.num_layers)
+        _check(counts[0] - dense >= every and all(
+            count % every == 0 for count in (counts[0] - dense, *counts[1:])),
                f"pipeline.layers_per_stage={list(counts)} must be multiples of moe.every="
-               f"{every}: a stage holds whole groups of dense blocks and their MoE block.")
+               f"{every}"
+               + (f" after the moe.first_dense_layers={dense} dense blocks, which run on the "
+                  "first stage (its count includes them)" if dense else "")
+               + ": a stage holds whole groups of dense blocks and their MoE block.")
     per_step = c.train.batch_size // c.optim.grad_accum
     _check(per_step % m == 0, f"train.batch_size / optim.grad_accum = {per_step} must be "
            f"divisible by pipeline.microbatches={m}.")

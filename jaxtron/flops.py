@@ -45,7 +45,7 @@ def matmul_params(m: ModelConfig, moe: MoEConfig | None = None) -> int:
     if moe is not None and moe.enabled:
         expert = 3 * d * (moe.expert_mlp_dim or f)
         active = (moe.top_k + moe.shared_experts) * expert + d * moe.num_experts
-        total += (m.num_layers // moe.every) * (active - mlp)
+        total += (moe.stacked_layers(m.num_layers) // moe.every) * (active - mlp)
     return total
 
 

@@ -11,12 +11,12 @@ Families, chosen on export from the config:
 - `Qwen3MoeForCausalLM`: as Mixtral plus `model.qk_norm` (Qwen3's per-head q_norm/k_norm);
   `norm_topk_prob` true is `topk_then_softmax`, false is `softmax_then_topk`. Only Qwen3's
   uniform layout converts (`decoder_sparse_step=1`, no `mlp_only_layers`).
-- `DeepseekV3ForCausalLM`: `model.attention=mla`, every layer dense (`first_k_dense_replace` >=
-  num_hidden_layers) or every layer MoE (`first_k_dense_replace=0`): sigmoid scores
-  (`moe.score=sigmoid`), group-limited routing (`n_group`, `topk_group`), `routed_scaling_factor`
-  as `moe.route_scale`, `n_shared_experts` as `moe.shared_experts` and `e_score_correction_bias`
-  as the MoE's `router_bias`. The published V3 has 3 dense layers before the MoE ones, which
-  `moe.every` cannot express, so it is refused; multi-token-prediction layers are dropped.
+- `DeepseekV3ForCausalLM`: `model.attention=mla`, the first `first_k_dense_replace` layers
+  dense (`moe.first_dense_layers`, their own stack `dense_blocks`; every layer dense when it is
+  >= num_hidden_layers), the rest MoE: sigmoid scores (`moe.score=sigmoid`), group-limited
+  routing (`n_group`, `topk_group`), `routed_scaling_factor` as `moe.route_scale`,
+  `n_shared_experts` as `moe.shared_experts` and `e_score_correction_bias` as the MoE's
+  `router_bias`. Multi-token-prediction layers are dropped.
 
 Layout. A torch `Linear` stores its weight [out, in] and computes x @ W.T; ours are [in, out]
 with heads kept as their own axes (wq [D, H, K], wo [H, K, D]), and stacked over layers with a
@@ -87,61 +87,68 @@ def _tensor_table(dims: dict) -> list[tuple]:
     rows = [("model.embed_tokens.weight", ("embedder", "embed"), (), (v, d), 0),
             ("model.norm.weight", ("head", "final_norm", "scale"), (), (d,), 0),
             ("lm_head.weight", ("head", "lm_head"), (), (d, v), 1)]
+    first_dense = dims.get("first_dense", 0)
     for i in range(n):
-        p, a = f"model.layers.{i}.", ("blocks", "attn")
-        rows += [(p + "input_layernorm.weight", ("blocks", "attn_norm", "scale"), (i,), (n, d), 0),
-                 (p + "post_attention_layernorm.weight", ("blocks", "mlp_norm", "scale"), (i,),
-                  (n, d), 0)]
+        # DeepSeek-V3's first layers are dense: a stack of their own ("dense_blocks").
+        dense_layer = i < first_dense
+        stack, j, cnt = (("dense_blocks", i, first_dense) if dense_layer
+                         else ("blocks", i - first_dense, n - first_dense))
+        p, a = f"model.layers.{i}.", (stack, "attn")
+        rows += [(p + "input_layernorm.weight", (stack, "attn_norm", "scale"), (j,), (cnt, d), 0),
+                 (p + "post_attention_layernorm.weight", (stack, "mlp_norm", "scale"), (j,),
+                  (cnt, d), 0)]
         if mla:
             q, c, kn, kr, vh = (mla[x] for x in ("Q", "C", "Kn", "Kr", "Vh"))
             s = p + "self_attn."
             if q:
-                rows += [(s + "q_a_proj.weight", a + ("wq_down",), (i,), (n, d, q), 1),
-                         (s + "q_a_layernorm.weight", a + ("q_norm",), (i,), (n, q), 0),
-                         (s + "q_b_proj.weight", a + ("wq_up",), (i,), (n, q, h, kn + kr), 1)]
+                rows += [(s + "q_a_proj.weight", a + ("wq_down",), (j,), (cnt, d, q), 1),
+                         (s + "q_a_layernorm.weight", a + ("q_norm",), (j,), (cnt, q), 0),
+                         (s + "q_b_proj.weight", a + ("wq_up",), (j,), (cnt, q, h, kn + kr), 1)]
             else:
-                rows.append((s + "q_proj.weight", a + ("wq",), (i,), (n, d, h, kn + kr), 1))
-            rows += [(s + "kv_a_proj_with_mqa.weight", a + ("wkv_down",), (i,), (n, d, c + kr), 1),
-                     (s + "kv_a_layernorm.weight", a + ("kv_norm",), (i,), (n, c), 0),
-                     (s + "kv_b_proj.weight:k", a + ("wk_up",), (i,), (n, c, h, kn), 1),
-                     (s + "kv_b_proj.weight:v", a + ("wv_up",), (i,), (n, c, h, vh), 1),
-                     (s + "o_proj.weight", a + ("wo",), (i,), (n, h, vh, d), 2)]
+                rows.append((s + "q_proj.weight", a + ("wq",), (j,), (cnt, d, h, kn + kr), 1))
+            rows += [(s + "kv_a_proj_with_mqa.weight", a + ("wkv_down",), (j,), (cnt, d, c + kr),
+                      1),
+                     (s + "kv_a_layernorm.weight", a + ("kv_norm",), (j,), (cnt, c), 0),
+                     (s + "kv_b_proj.weight:k", a + ("wk_up",), (j,), (cnt, c, h, kn), 1),
+                     (s + "kv_b_proj.weight:v", a + ("wv_up",), (j,), (cnt, c, h, vh), 1),
+                     (s + "o_proj.weight", a + ("wo",), (j,), (cnt, h, vh, d), 2)]
         else:
-            rows += [(p + "self_attn.q_proj.weight", a + ("wq",), (i,), (n, d, h, k), 1),
-                     (p + "self_attn.k_proj.weight", a + ("wk",), (i,), (n, d, g, k), 1),
-                     (p + "self_attn.v_proj.weight", a + ("wv",), (i,), (n, d, g, k), 1),
-                     (p + "self_attn.o_proj.weight", a + ("wo",), (i,), (n, h, k, d), 2)]
+            rows += [(p + "self_attn.q_proj.weight", a + ("wq",), (j,), (cnt, d, h, k), 1),
+                     (p + "self_attn.k_proj.weight", a + ("wk",), (j,), (cnt, d, g, k), 1),
+                     (p + "self_attn.v_proj.weight", a + ("wv",), (j,), (cnt, d, g, k), 1),
+                     (p + "self_attn.o_proj.weight", a + ("wo",), (j,), (cnt, h, k, d), 2)]
         if dims.get("qk_norm"):
-            rows += [(p + f"self_attn.{x}_norm.weight", a + (f"{x}_norm",), (i,), (n, k), 0)
+            rows += [(p + f"self_attn.{x}_norm.weight", a + (f"{x}_norm",), (j,), (cnt, k), 0)
                      for x in "qk"]
-        if not e:
-            rows += [(p + f"mlp.{hf}_proj.weight", ("blocks", "mlp", ours), (i,), shape, 1)
-                     for hf, ours, shape in (("gate", "w_gate", (n, d, f)),
-                                             ("up", "w_up", (n, d, f)),
-                                             ("down", "w_down", (n, f, d)))]
+        if not e or dense_layer:
+            w = dims["dense_F"] if dense_layer else f
+            rows += [(p + f"mlp.{hf}_proj.weight", (stack, "mlp", ours), (j,), shape, 1)
+                     for hf, ours, shape in (("gate", "w_gate", (cnt, d, w)),
+                                             ("up", "w_up", (cnt, d, w)),
+                                             ("down", "w_down", (cnt, w, d)))]
             continue
-        m = ("blocks", "mlp")
+        m = (stack, "mlp")
         if arch == MIXTRAL:
-            rows.append((p + "block_sparse_moe.gate.weight", m + ("router",), (i,), (n, d, e), 1))
+            rows.append((p + "block_sparse_moe.gate.weight", m + ("router",), (j,), (cnt, d, e), 1))
             names, experts = ("w1", "w3", "w2"), p + "block_sparse_moe.experts."
         else:
-            rows.append((p + "mlp.gate.weight", m + ("router",), (i,), (n, d, e), 1))
+            rows.append((p + "mlp.gate.weight", m + ("router",), (j,), (cnt, d, e), 1))
             names, experts = ("gate_proj", "up_proj", "down_proj"), p + "mlp.experts."
         for x in range(e):
             q_ = f"{experts}{x}."
-            rows += [(q_ + names[0] + ".weight", m + ("w_gate",), (i, x), (n, e, d, f), 1),
-                     (q_ + names[1] + ".weight", m + ("w_up",), (i, x), (n, e, d, f), 1),
-                     (q_ + names[2] + ".weight", m + ("w_down",), (i, x), (n, e, f, d), 1)]
+            rows += [(q_ + names[0] + ".weight", m + ("w_gate",), (j, x), (cnt, e, d, f), 1),
+                     (q_ + names[1] + ".weight", m + ("w_up",), (j, x), (cnt, e, d, f), 1),
+                     (q_ + names[2] + ".weight", m + ("w_down",), (j, x), (cnt, e, f, d), 1)]
         if dims.get("bias"):
-            rows.append((p + "mlp.gate.e_score_correction_bias", m + ("router_bias",), (i,),
-                         (n, e), 0))
+            rows.append((p + "mlp.gate.e_score_correction_bias", m + ("router_bias",), (j,),
+                         (cnt, e), 0))
         if dims.get("shared"):
             s_ = dims["shared"]
-            rows += [(p + f"mlp.shared_experts.{hf}_proj.weight", m + ("shared", ours), (i,),
+            rows += [(p + f"mlp.shared_experts.{hf}_proj.weight", m + ("shared", ours), (j,),
                       shape, 1)
-                     for hf, ours, shape in (("gate", "w_gate", (n, d, s_)),
-                                             ("up", "w_up", (n, d, s_)),
-                                             ("down", "w_down", (n, s_, d)))]
+                     for hf, ours, shape in (("gate", "w_gate", (cnt, d, s_)),
+                                             ("up", "w_up", (cnt, d, s_)),
+                                             ("down", "w_down", (cnt, s_, d)))]
     return rows
 
 
@@ -224,6 +231,8 @@ def _export_arch(config: Config) -> str:
              "HF scores a group by its two best experts, so groups need 2 experts or more")])
         return arch
     _refuse(arch, common + [
+        (moe.first_dense_layers == 0, f"moe.first_dense_layers={moe.first_dense_layers}",
+         "every layer is an MoE layer; use moe.first_dense_layers=0"),
         (moe.shared_experts == 0, f"moe.shared_experts={moe.shared_experts}",
          "it has no shared experts; use moe.shared_experts=0"),
         (arch == QWEN3_MOE or moe.router == "topk_then_softmax", f"moe.router={moe.router}",
@@ -246,7 +255,8 @@ def _dims(config: Config, arch: str) -> dict:
             "K": m.resolved_head_dim, "F": f, "V": m.vocab_size, "E": moe.num_experts,
             "arch": arch, "qk_norm": m.qk_norm,
             "shared": moe.shared_experts * f if moe.enabled else 0,
-            "bias": moe.enabled and moe.bias_update_rate > 0}
+            "bias": moe.enabled and moe.bias_update_rate > 0,
+            "first_dense": moe.first_dense_layers if moe.enabled else 0, "dense_F": m.mlp_dim}
     if m.attention == "mla":
         dims["mla"] = {"Q": m.q_lora_rank or 0, "C": m.kv_lora_rank, "Kn": m.qk_nope_head_dim,
                        "Kr": m.qk_rope_head_dim, "Vh": m.v_head_dim, "interleave": True}
@@ -301,7 +311,7 @@ def to_hf(config: Config, params: dict) -> tuple[dict, dict[str, np.ndarray]]:
         hf.update(num_key_value_heads=m.num_heads, q_lora_rank=mla["Q"] or None,
                   kv_lora_rank=mla["C"], qk_nope_head_dim=mla["Kn"],
                   qk_rope_head_dim=mla["Kr"], v_head_dim=mla["Vh"], rope_interleave=True,
-                  first_k_dense_replace=0 if moe.enabled else m.num_layers,
+                  first_k_dense_replace=dims["first_dense"] if moe.enabled else m.num_layers,
                   moe_layer_freq=1, num_nextn_predict_layers=0)
         if moe.enabled:
             hf.update(n_routed_experts=moe.num_experts, num_experts_per_tok=moe.top_k,
@@ -310,7 +320,7 @@ def to_hf(config: Config, params: dict) -> tuple[dict, dict[str, np.ndarray]]:
                       routed_scaling_factor=moe.route_scale, norm_topk_prob=moe.top_k > 1,
                       scoring_func="sigmoid", topk_method="noaux_tc")
             if not dims["bias"]:  # HF always has the buffer: zero is no bias
-                for i in range(m.num_layers):
+                for i in range(dims["first_dense"], m.num_layers):
                     tensors[f"model.layers.{i}.mlp.gate.e_score_correction_bias"] = np.zeros(
                         moe.num_experts, np.float32)
         tensors = _deepseek_rows(tensors, dims, to_ours=False)
@@ -371,9 +381,6 @@ def _read_config(hf: dict) -> tuple[str, dict]:
         n, first = hf["num_hidden_layers"], get("first_k_dense_replace")
         k, norm = hf.get("num_experts_per_tok", 8), get("norm_topk_prob")
         unsupported += [
-            (0 < first < n, f"first_k_dense_replace={first}",
-             "jaxtron's moe.every cannot put dense layers before the MoE ones (0, all MoE, or "
-             ">= num_hidden_layers, all dense, convert)"),
             (hf.get("moe_layer_freq", 1) != 1, f"moe_layer_freq={hf.get('moe_layer_freq')}",
              "only every layer an MoE layer converts"),
             (hf.get("scoring_func", "sigmoid") != "sigmoid",
@@ -408,7 +415,8 @@ def _read_config(hf: dict) -> tuple[str, dict]:
         dims["mla"] = {"Q": get("q_lora_rank") or 0, "C": hf["kv_lora_rank"],
                        "Kn": hf["qk_nope_head_dim"], "Kr": hf["qk_rope_head_dim"],
                        "Vh": hf["v_head_dim"], "interleave": bool(get("rope_interleave"))}
-        if get("first_k_dense_replace") == 0:
+        if get("first_k_dense_replace") < dims["N"]:  # MoE layers after the dense ones
+            dims["first_dense"] = get("first_k_dense_replace")
             missing = [key for key in ("n_routed_experts", "moe_intermediate_size")
                        if key not in hf]
             if missing:
@@ -509,7 +517,8 @@ def _overrides(arch: str, dims: dict, hf: dict, dtype: str) -> tuple[dict, dict]
                    score="sigmoid", route_groups=get("n_group"),
                    route_top_groups=get("topk_group"),
                    route_scale=float(get("routed_scaling_factor")),
-                   bias_update_rate=DEEPSEEK_BIAS_RATE if dims.get("bias") else 0.0)
+                   bias_update_rate=DEEPSEEK_BIAS_RATE if dims.get("bias") else 0.0,
+                   first_dense_layers=dims.get("first_dense", 0))
     return model, moe
 
 

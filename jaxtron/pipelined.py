@@ -47,8 +47,13 @@ class PipelinedTransformer:
         # The stacked unit is a block, or for MoE every k-th layers a group of k blocks
         # ending in its MoE block: stages hold whole units.
         every = c.moe.every if c.moe.enabled else 1
+        # Dense blocks in front of an MoE model's stack run on the first stage, after the
+        # embedding: `layers_per_stage[0]` counts them.
+        dense = c.model.num_layers - c.moe.stacked_layers(c.model.num_layers)
         counts = c.pipeline.layers_per_stage
-        self.layout = split_layers(c.model.num_layers // every, p, v,
+        if counts is not None:
+            counts = (counts[0] - dense, *counts[1:])
+        self.layout = split_layers(c.moe.stacked_layers(c.model.num_layers) // every, p, v,
                                    None if counts is None else tuple(n // every for n in counts))
         self.table = build_table(c.pipeline.schedule, p, m, v)
         # Evaluation cuts the batch as finely as a training step does (microbatches of every
@@ -60,7 +65,10 @@ class PipelinedTransformer:
         self.head_def = nnx.graphdef(model.head)
         # What is not in the block stack: split evenly over the ranks and sent to its user.
         # Multi-token prediction's modules run after the head's input, on the last stage.
-        self.ends = ("embedder", "head") + (("mtp",) if c.model.mtp_depth else ())
+        self.ends = (("embedder", "head") + (("dense_blocks",) if dense else ())
+                     + (("mtp",) if c.model.mtp_depth else ()))
+        if dense:
+            self.dense_def = nnx.graphdef(model.dense_blocks)
         if c.model.mtp_depth:
             self.mtp_def = nnx.graphdef(model.mtp)
         # The ends' Variables in the model layout: their shapes and logical axis names.
@@ -129,8 +137,12 @@ class PipelinedTransformer:
         embedder, shared = dict(params["embedder"].items()), {}
         if m.tied_embeddings or m.mtp_depth:
             shared["embed"] = embedder.pop("embed")
-        last = nnx.State({name: params[name] for name in self.ends if name != "embedder"})
-        return nnx.State(embedder), last, nnx.State(shared)
+        first = {"embedder": nnx.State(embedder)}
+        if "dense_blocks" in self.ends:
+            first["dense_blocks"] = params["dense_blocks"]
+        last = nnx.State({name: params[name] for name in self.ends
+                          if name not in ("embedder", "dense_blocks")})
+        return nnx.State(first), last, nnx.State(shared)
 
     def _whole(self, tree, name):
         """An end gathered by the engine, [p * K, ...] -> the model layout [n, ...]."""
@@ -141,9 +153,17 @@ class PipelinedTransformer:
     # -- the three stage functions -----------------------------------------------------------
 
     def _first(self, first, shared, inputs):
-        embedder = self._whole(nnx.State({**dict(first.items()), **dict(shared.items())}),
-                               "embedder")
-        return nnx.merge(self.embedder_def, embedder)(inputs["tokens"], inputs.get("positions"))
+        embedder = self._whole(nnx.State({**dict(first["embedder"].items()),
+                                          **dict(shared.items())}), "embedder")
+        x_BxLxD = nnx.merge(self.embedder_def, embedder)(inputs["tokens"],
+                                                         inputs.get("positions"))
+        if "dense_blocks" not in first:
+            return x_BxLxD
+        layout = TokenLayout(positions=inputs.get("positions"),
+                             segment_ids=inputs.get("segment_ids"))
+        return run_blocks(self.config.model, self.dense_def,
+                          self._whole(first["dense_blocks"], "dense_blocks"), x_BxLxD,
+                          layout=layout)[0]
 
     def _stage(self, chunk_params, active_L, x_BxLxD, inputs):
         layout = TokenLayout(positions=inputs.get("positions"),
@@ -201,10 +221,11 @@ class PipelinedTransformer:
         """Mean loss and gradients (pipeline layout) of a batch (see `jaxtron.step`)."""
         (objective, metrics), (g_first, g_last, g_shared, g_blocks) = self._value_and_grad(
             *self._arguments(params, batch, self.table.microbatches))
-        g_embedder = {**dict(g_first.items()), **dict(g_shared.items())}
+        g_first = dict(g_first.items())
+        g_embedder = {**dict(g_first.pop("embedder").items()), **dict(g_shared.items())}
         g_embedder = nnx.State({key: g_embedder[key] for key in params["embedder"]})
         return (objective, metrics), nnx.State({"embedder": g_embedder, "blocks": g_blocks,
-                                                **dict(g_last.items())})
+                                                **g_first, **dict(g_last.items())})
 
     def eval_loss(self, params: nnx.State, batch: dict):
         """Mean loss of a batch through a forward-only pipeline schedule."""

@@ -15,8 +15,10 @@ from conftest import make_config
 VARIANTS = {
     "llama": ({"num_layers": 3, "num_heads": 4, "num_kv_heads": 2}, {}),  # GQA, RoPE
     "gpt2": ({"type": "gpt2", "num_layers": 3, "num_kv_heads": None}, {}),  # biases, tied head
-    # Interleaved MoE (a dense block, then an MoE block, stacked) exercises BlockGroup units.
-    "moe": ({"num_layers": 2}, {"num_experts": 4, "top_k": 2, "every": 2, "mode": "dropless"}),
+    # A dense first block (its own stack), then interleaved MoE (a dense block, then an MoE
+    # block, stacked): the cache rows of both stacks, and BlockGroup units.
+    "moe": ({"num_layers": 3}, {"num_experts": 4, "top_k": 2, "every": 2, "mode": "dropless",
+                                "first_dense_layers": 1}),
 }
 
 

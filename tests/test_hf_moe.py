@@ -237,6 +237,8 @@ CASES = {
     "deepseek-v3-plain-q-halves": ({**DEEPSEEK, "q_lora_rank": None, "rope_interleave": False},
                                    deepseek_v3_forward),
     "deepseek-v3-dense": ({**DEEPSEEK, "first_k_dense_replace": 2}, deepseek_v3_forward),
+    "deepseek-v3-dense-first": ({**DEEPSEEK, "num_hidden_layers": 3, "first_k_dense_replace": 1},
+                                deepseek_v3_forward),
 }
 
 
@@ -249,8 +251,9 @@ def test_import_equals_the_published_forward_and_export_gives_the_files_back(cas
     save_hf_dir(tmp_path, cfg, tensors)
     model, moe, params = from_hf(*load_hf_dir(tmp_path))
     if deepseek:
-        assert "multi-token-prediction layers [2]" in capsys.readouterr().out
-        tensors = {k: v for k, v in tensors.items() if not k.startswith("model.layers.2.")}
+        n = cfg["num_hidden_layers"]
+        assert f"multi-token-prediction layers [{n}]" in capsys.readouterr().out
+        tensors = {k: v for k, v in tensors.items() if not k.startswith(f"model.layers.{n}.")}
     ids = np.random.default_rng(1).integers(0, cfg["vocab_size"], 12)
     ours, trainer = imported_logits(model, moe, params, ids)
     reference = forward(cfg, tensors, ids)
@@ -291,7 +294,6 @@ def test_imported_settings():
 
 
 @pytest.mark.parametrize("cfg, field", [
-    ({**DEEPSEEK, "first_k_dense_replace": 1}, "first_k_dense_replace=1"),
     ({**DEEPSEEK, "norm_topk_prob": False}, "norm_topk_prob=False"),
     ({**DEEPSEEK, "scoring_func": "softmax"}, "scoring_func=softmax"),
     ({**DEEPSEEK, "rope_scaling": {"type": "yarn", "factor": 40}}, "rope_scaling"),

@@ -219,6 +219,13 @@ def test_moe_active_parameter_count():
     (["mesh.expert=2"], "needs a mixture-of-experts model"),
     (["moe.num_experts=4", "moe.top_k=5"], "moe.top_k=5 must lie between 1 and"),
     (["moe.num_experts=4", "moe.every=3"], "moe.every=3 must divide model.num_layers=2"),
+    (["moe.num_experts=4", "moe.first_dense_layers=2"],
+     "moe.first_dense_layers=2 must lie between 0 and model.num_layers - 1 = 1"),
+    (["moe.num_experts=4", "model.num_layers=4", "moe.first_dense_layers=1", "moe.every=2"],
+     "moe.every=2 must divide the 3 layers after moe.first_dense_layers=1"),
+    (["moe.num_experts=4", "model.num_layers=4", "moe.first_dense_layers=1", "mesh.stage=2",
+      "mesh.data=1", "pipeline.layers_per_stage=[1,3]"],
+     "after the moe.first_dense_layers=1 dense blocks, which run on the first stage"),
 ])
 def test_bad_moe_settings_are_explained(overrides, fragment):
     with pytest.raises(ConfigError) as err:

@@ -37,6 +37,10 @@ CASES = {
         {"microbatches": 2, "layers_per_stage": [2, 6]}, 8),
     "capacity_stage2_expert2_tensor2": (
         {"stage": 2, "expert": 2, "tensor": 2, "data": 1}, {}, {"microbatches": 2}, 4),
+    # DeepSeek-V3's dense first layers run on the first stage, after the embedding.
+    "dense_first_stage2_expert2_data2": (
+        {"stage": 2, "expert": 2, "data": 2}, {"first_dense_layers": 1},
+        {"microbatches": 2, "layers_per_stage": [2, 2]}, 4),
     "interleaved_stage2_data2": (
         {"stage": 2, "data": 2}, {}, {"microbatches": 2, "schedule": "interleaved",
                                       "virtual_stages": 2}, 4),

@@ -108,21 +108,18 @@ def unit_blocks(unit) -> list[Block]:
     return [unit] if isinstance(unit, Block) else [*unit.dense, unit.sparse]
 
 
-def forward_cached(model, cache: dict, tokens_BxL, position):
-    """Tokens at positions position..position+L-1 -> (logits_BxLxV, cache with their rows).
-
-    The cache must already hold positions 0..position-1 (prefill: position 0, empty cache)."""
-    position = jnp.asarray(position, jnp.int32)
-    x_BxLxD = embed(model.embedder, tokens_BxL, position)
-    graphdef, stacked = nnx.split(model.blocks)
+def _run_stack(stack, x_BxLxD, cache: dict, position, first: int):
+    """One stack of units against the cache rows first.. -> (x, cache, the next stack's
+    first row)."""
+    graphdef, stacked = nnx.split(stack)
     units = jax.tree.leaves(stacked)[0].shape[0]
-    per_unit = model.cfg.num_layers // units
+    per_unit = len(unit_blocks(nnx.merge(graphdef, jax.tree.map(lambda a: a[0], stacked))))
 
     def body(carry, layer):
         x, cache = carry  # each entry [N, B, S, ...]
         layer_state, unit_index = layer
         for j, block in enumerate(unit_blocks(nnx.merge(graphdef, layer_state))):
-            n = unit_index * per_unit + j
+            n = first + unit_index * per_unit + j
             x, rows = block_step(block, x, {name: c[n] for name, c in cache.items()}, position)
             # Write back only the new rows: with the cache donated the update is in place.
             cache = {name: jax.lax.dynamic_update_slice(
@@ -131,5 +128,17 @@ def forward_cached(model, cache: dict, tokens_BxL, position):
         return (x, cache), None
 
     (x_BxLxD, cache), _ = jax.lax.scan(body, (x_BxLxD, cache), (stacked, jnp.arange(units)))
+    return x_BxLxD, cache, first + units * per_unit
+
+
+def forward_cached(model, cache: dict, tokens_BxL, position):
+    """Tokens at positions position..position+L-1 -> (logits_BxLxV, cache with their rows).
+
+    The cache must already hold positions 0..position-1 (prefill: position 0, empty cache)."""
+    position = jnp.asarray(position, jnp.int32)
+    x_BxLxD = embed(model.embedder, tokens_BxL, position)
+    first = 0  # the cache's index of the stack's first layer
+    for stack in ([model.dense_blocks] if hasattr(model, "dense_blocks") else []) + [model.blocks]:
+        x_BxLxD, cache, first = _run_stack(stack, x_BxLxD, cache, position, first)
     logits_BxLxV = model.head(x_BxLxD, model.embedder.embed[...])
     return logits_BxLxV, cache

@@ -100,12 +100,14 @@ class Head(nnx.Module):
                                      chunk_tokens=self.cfg.loss_chunk_tokens)
 
 
-def make_blocks(cfg: ModelConfig, rngs: nnx.Rngs, moe: MoEConfig | None = None) -> nnx.Module:
-    """The stacked unit: N blocks (or N / moe.every groups ending in an MoE block) as one
-    module whose parameters carry a leading `layers` axis."""
+def make_blocks(cfg: ModelConfig, rngs: nnx.Rngs, moe: MoEConfig | None = None,
+                count: int | None = None) -> nnx.Module:
+    """The stacked unit: `count` (default N) blocks, or with `moe` count / moe.every groups
+    ending in an MoE block, as one module whose parameters carry a leading `layers` axis."""
     every = moe.every if moe is not None else 1
+    count = cfg.num_layers if count is None else count
 
-    @nnx.split_rngs(splits=cfg.num_layers // every)
+    @nnx.split_rngs(splits=count // every)
     @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
     def create(rngs):
         if moe is None:
@@ -158,7 +160,12 @@ class Transformer(nnx.Module):
         self.cfg = cfg
         self.moe = moe if moe is not None and moe.enabled else None
         self.embedder = Embedder(cfg, rngs)
-        self.blocks = make_blocks(cfg, rngs, self.moe)
+        stacked = cfg.num_layers
+        if self.moe is not None and self.moe.first_dense_layers:
+            # DeepSeek-V3's dense first layers: a stack of their own, run before the MoE one.
+            self.dense_blocks = make_blocks(cfg, rngs, None, self.moe.first_dense_layers)
+            stacked = self.moe.stacked_layers(cfg.num_layers)
+        self.blocks = make_blocks(cfg, rngs, self.moe, stacked)
         self.head = Head(cfg, rngs)
         if cfg.mtp_depth:
             self.mtp = MultiTokenPrediction(cfg, rngs)
@@ -193,6 +200,9 @@ class Transformer(nnx.Module):
         positions = None if layout.positions is None and layout.order is None else \
             layout.positions_for(tokens_BxL.shape[1])
         x_BxLxD = self.embedder(tokens_BxL, positions)
+        if hasattr(self, "dense_blocks"):
+            graphdef, stacked = nnx.split(self.dense_blocks)
+            x_BxLxD, _ = run_blocks(self.cfg, graphdef, stacked, x_BxLxD, layout=layout)
         graphdef, stacked = nnx.split(self.blocks)
         x_BxLxD, stats = run_blocks(self.cfg, graphdef, stacked, x_BxLxD, layout=layout)
         if self.moe is None:
@@ -204,7 +214,7 @@ def moe_aux(cfg: ModelConfig, moe: MoEConfig, stats: dict) -> dict:
     """MoE statistics summed over (some of) the MoE layers -> their share of the per-layer mean
     (`moe_<name>`) and of the weighted auxiliary losses (`weighted_terms`): a pipeline stage's
     shares add up over stages to the whole model's."""
-    moe_layers = cfg.num_layers // moe.every
+    moe_layers = moe.stacked_layers(cfg.num_layers) // moe.every
     stats = dict(stats)
     load = stats.pop("load", None)
     mean = {name: value / moe_layers for name, value in stats.items()}

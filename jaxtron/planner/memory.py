@@ -63,17 +63,24 @@ class Memory:
 
 
 @functools.lru_cache(maxsize=8)
-def _parameter_shapes(model_key) -> list[tuple[tuple[int, ...], tuple, int]]:
-    """(shape, logical names, bytes per element) of every parameter of the model."""
+def _parameter_shapes(model_key) -> list[tuple[tuple[int, ...], tuple, int, bool]]:
+    """(shape, logical names, bytes per element, whether in the repeated block stack) of every
+    parameter of the model (a dense prefix is stacked too, but a pipeline treats it as an end:
+    gathered whole for the first stage)."""
     from jaxtron.models import Transformer
 
     model_config, moe_config = model_key
     abstract = nnx.eval_shape(lambda: Transformer(model_config, rngs=nnx.Rngs(0), moe=moe_config))
     out = []
-    for _, var in nnx.to_flat_state(nnx.state(abstract, nnx.Param)):
+    for path, var in nnx.to_flat_state(nnx.state(abstract, nnx.Param)):
         value = var.get_value()
-        out.append((tuple(value.shape), logical_names(var), np.dtype(value.dtype).itemsize))
+        out.append((tuple(value.shape), logical_names(var), np.dtype(value.dtype).itemsize,
+                    path[0] == "blocks"))
     return out
+
+
+def _shapes(config: Config):
+    return _parameter_shapes((config.model, config.moe))
 
 
 def _sharded_elements(shape, names, rules, degrees, stage: int) -> float:
@@ -96,18 +103,19 @@ def gathered_block_bytes(config: Config, layout: Layout) -> float:
     """Bytes of one block's weights as FSDP gathers them (split by tensor and expert only)."""
     degrees, rules = {**layout.degrees(), "fsdp": 1}, param_rules(config)
     total = sum(itemsize * _sharded_elements(shape, names, rules, degrees, 1)
-                for shape, names, itemsize in _parameter_shapes((config.model, config.moe))
+                for shape, names, itemsize, stacked in _shapes(config)
                 if "layers" in names)
     return total / config.model.num_layers
 
 
 def end_bytes(config: Config, layout: Layout) -> int:
-    """Bytes on one device of the parameters outside the layer stack (embedding, head, final
-    norm) as the mesh splits them, before a pipeline splits them over its stages."""
+    """Bytes on one device of the parameters outside the repeated block stack (embedding, head,
+    final norm, a dense prefix, multi-token prediction) as the mesh splits them, before a
+    pipeline splits them over its stages."""
     degrees, rules = layout.degrees(), param_rules(config)
     return int(sum(itemsize * _sharded_elements(shape, names, rules, degrees, 1)
-                   for shape, names, itemsize in _parameter_shapes((config.model, config.moe))
-                   if "layers" not in names))
+                   for shape, names, itemsize, stacked in _shapes(config)
+                   if not stacked))
 
 
 def expert_gradient_bytes(config: Config, layout: Layout) -> int:
@@ -115,7 +123,7 @@ def expert_gradient_bytes(config: Config, layout: Layout) -> int:
     `expert` axis; the rest is replicated over it, like data parallelism)."""
     degrees, rules = layout.degrees(), param_rules(config)
     return int(sum(itemsize * _sharded_elements(shape, names, rules, degrees, layout.stage)
-                   for shape, names, itemsize in _parameter_shapes((config.model, config.moe))
+                   for shape, names, itemsize, stacked in _shapes(config)
                    if "expert" in names))
 
 
@@ -130,7 +138,7 @@ def state_bytes(config: Config, layout: Layout) -> tuple[int, int, int]:
     grules = prules
     params = moments = grads = 0.0
     moment_bytes = np.dtype(jnp.dtype(config.optim.moment_dtype)).itemsize
-    for shape, names, itemsize in _parameter_shapes((config.model, config.moe)):
+    for shape, names, itemsize, stacked in _shapes(config):
         params += itemsize * _sharded_elements(shape, names, prules, degrees, layout.stage)
         moments += 2 * moment_bytes * _sharded_elements(shape, names, orules, degrees,
                                                         layout.stage)
@@ -221,9 +229,9 @@ def expert_block_bytes(config: Config, layout: Layout) -> float:
     """One MoE layer's routed-expert weights on this device."""
     degrees, rules = layout.degrees(), param_rules(config)
     total = sum(itemsize * _sharded_elements(shape, names, rules, degrees, 1)
-                for shape, names, itemsize in _parameter_shapes((config.model, config.moe))
+                for shape, names, itemsize, stacked in _shapes(config)
                 if "expert" in names)
-    return total / (config.model.num_layers // config.moe.every)
+    return total / (config.moe.stacked_layers(config.model.num_layers) // config.moe.every)
 
 
 def microbatch_sequences(config: Config, layout: Layout) -> int:

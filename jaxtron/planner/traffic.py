@@ -205,5 +205,5 @@ def _expert(config: Config, layout: Layout) -> float:
     slots = (length if moe.mode == "dropless" else
              math.ceil(moe.capacity_factor * length * moe.top_k / moe.num_experts))
     buffer = e * sequences * moe.num_experts * slots * m.d_model
-    moe_layers = math.ceil(m.num_layers / layout.stage) // moe.every
+    moe_layers = math.ceil(moe.stacked_layers(m.num_layers) / layout.stage) // moe.every
     return 4 * ring(x) * buffer * moe_layers
