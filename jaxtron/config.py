@@ -202,8 +202,17 @@ class TrainConfig:
 @dataclass(frozen=True)
 class OptimConfig:
     lr: float = _f(3e-3, "peak learning rate")
-    min_lr_ratio: float = _f(0.1, "final learning rate as a fraction of lr (cosine decay)")
+    min_lr_ratio: float = _f(0.1, "final learning rate as a fraction of lr (the floor of every "
+                             "schedule but constant)")
     warmup_steps: int = _f(20, "linear warmup steps")
+    schedule: str = _f("cosine", "learning-rate shape after warmup (jaxtron/schedules.py)",
+                       ("cosine", "linear", "constant", "inverse_sqrt", "wsd"))
+    decay_steps: int | None = _f(None, "step at which the decay reaches lr x min_lr_ratio "
+                                 "(null = train.steps; Megatron --lr-decay-iters)")
+    decay_fraction: float = _f(0.2, "wsd: share of decay_steps spent in the final decay "
+                               "(Megatron --lr-wsd-decay-iters / --lr-decay-iters)")
+    wsd_shape: str = _f("linear", "wsd: shape of the final decay",
+                        ("linear", "cosine", "minus_sqrt"))
     weight_decay: float = _f(0.1, "AdamW decoupled weight decay on matrices")
     b1: float = _f(0.9, "Adam beta1")
     b2: float = _f(0.95, "Adam beta2")

@@ -91,6 +91,11 @@ def validate(c: Config) -> None:
     _check(0.0 <= o.min_lr_ratio <= 1.0,
            f"optim.min_lr_ratio={o.min_lr_ratio} must lie in [0, 1].")
     _check(o.warmup_steps >= 0, f"optim.warmup_steps={o.warmup_steps} must be >= 0.")
+    _check(o.decay_steps is None or o.decay_steps > o.warmup_steps,
+           f"optim.decay_steps={o.decay_steps} must exceed optim.warmup_steps="
+           f"{o.warmup_steps} (the decay starts after warmup), or be null (= train.steps).")
+    _check(0.0 < o.decay_fraction <= 1.0,
+           f"optim.decay_fraction={o.decay_fraction} must lie in (0, 1].")
     _check(o.lr > 0, f"optim.lr={o.lr} must be positive.")
     for name in ("b1", "b2"):
         _check(0.0 <= getattr(o, name) < 1.0,

@@ -1,4 +1,4 @@
-"""AdamW with linear warmup, cosine decay and global-norm clipping (optax).
+"""AdamW with the learning-rate schedule of `jaxtron.schedules` and global-norm clipping (optax).
 
 Weight decay applies to weight matrices only (Megatron's default): parameters that map to or
 from the residual stream, i.e. whose logical axes, less those that stack layers (`layers`, and
@@ -20,16 +20,8 @@ import optax
 from flax import nnx
 
 from jaxtron.config import Config
+from jaxtron.schedules import learning_rate
 from jaxtron.sharding.rules import logical_names
-
-
-def learning_rate(config: Config) -> optax.Schedule:
-    o = config.optim
-    # Warmup as configured even when the run is shorter (config.warnings says so): extending
-    # train.steps later must not change the steps already taken.
-    return optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=o.lr, warmup_steps=o.warmup_steps,
-        decay_steps=max(config.train.steps, o.warmup_steps + 1), end_value=o.lr * o.min_lr_ratio)
 
 
 def decay_mask(params):
