@@ -50,6 +50,21 @@ class ModelConfig:
     vocab_size: int = _f(256, "embedding rows; must cover the data's tokenizer")
     max_seq_len: int = _f(2048, "longest sequence the position encoding supports")
     rope_theta: float = _f(10000.0, "RoPE base frequency (llama)")
+    rope_scaling: str = _f("none", "RoPE scaling for a longer context: linear (position "
+                           "interpolation), llama3 (Llama 3.1), yarn (DeepSeek-V3, Qwen); "
+                           "jaxtron/models/rope.py", ("none", "linear", "llama3", "yarn"))
+    rope_factor: float = _f(1.0, "rope_scaling: context extension factor")
+    rope_original_max_len: int = _f(8192, "llama3 / yarn: context the unscaled RoPE was "
+                                    "trained for")
+    rope_low_freq_factor: float = _f(1.0, "llama3: wavelengths above original / this are "
+                                     "fully scaled")
+    rope_high_freq_factor: float = _f(4.0, "llama3: wavelengths below original / this are kept")
+    rope_beta_fast: float = _f(32.0, "yarn: pairs turning more often than this over the "
+                               "original context are kept")
+    rope_beta_slow: float = _f(1.0, "yarn: pairs turning less often than this are fully "
+                               "interpolated")
+    rope_mscale: float = _f(1.0, "yarn: mscale of the attention factor")
+    rope_mscale_all_dim: float = _f(0.0, "yarn: mscale_all_dim (DeepSeek-V3: 1.0; 0 = unused)")
     mtp_depth: int = _f(0, "multi-token prediction modules (DeepSeek-V3: 1), each predicting "
                         "one token further ahead; 0 = off")
     mtp_loss_coef: float = _f(0.3, "weight of the mean multi-token-prediction loss in the "

@@ -72,6 +72,18 @@ def validate(c: Config) -> None:
     _check(m.type != "llama" or m.resolved_head_dim % 2 == 0,
            f"RoPE needs an even head dimension; model.head_dim resolves to {m.resolved_head_dim}.")
     _check_blend(d)
+    if m.rope_scaling != "none":
+        _check(m.type == "llama", f"model.rope_scaling={m.rope_scaling} needs model.type=llama "
+               "(gpt2 has learned positions, no RoPE).")
+        _check(m.rope_factor > 0 and m.rope_original_max_len > 0,
+               f"model.rope_factor={m.rope_factor} and model.rope_original_max_len="
+               f"{m.rope_original_max_len} must be positive.")
+        _check(m.rope_scaling != "llama3" or m.rope_high_freq_factor > m.rope_low_freq_factor,
+               f"model.rope_high_freq_factor={m.rope_high_freq_factor} must exceed "
+               f"model.rope_low_freq_factor={m.rope_low_freq_factor} (Llama 3.1: 4 and 1).")
+        _check(m.rope_scaling != "yarn" or m.rope_beta_fast > m.rope_beta_slow,
+               f"model.rope_beta_fast={m.rope_beta_fast} must exceed model.rope_beta_slow="
+               f"{m.rope_beta_slow} (YaRN: 32 and 1).")
     if m.mtp_depth:
         _check(m.mtp_depth > 0 and m.mtp_depth < d.seq_len,
                f"model.mtp_depth={m.mtp_depth} must be 0 (off) or between 1 and "

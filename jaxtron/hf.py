@@ -46,6 +46,7 @@ import numpy as np
 
 from jaxtron.config import COMPUTE_DTYPES, Config
 from jaxtron.errors import ConfigError, DataError
+from jaxtron.hf_rope import rope_from_hf, rope_theta, rope_to_hf
 
 LLAMA, MIXTRAL = "LlamaForCausalLM", "MixtralForCausalLM"
 QWEN3_MOE, DEEPSEEK_V3 = "Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM"
@@ -293,7 +294,7 @@ def to_hf(config: Config, params: dict) -> tuple[dict, dict[str, np.ndarray]]:
           "num_hidden_layers": m.num_layers, "num_attention_heads": m.num_heads,
           "num_key_value_heads": m.kv_heads, "head_dim": m.resolved_head_dim,
           "vocab_size": m.vocab_size, "max_position_embeddings": m.max_seq_len,
-          "rms_norm_eps": m.norm_eps, "rope_theta": m.rope_theta, "rope_scaling": None,
+          "rms_norm_eps": m.norm_eps, "rope_theta": m.rope_theta, "rope_scaling": rope_to_hf(m),
           "hidden_act": "silu", "attention_bias": False, "tie_word_embeddings": False,
           "initializer_range": m.init_std, "torch_dtype": dtype}
     if arch == MIXTRAL:
@@ -368,9 +369,7 @@ def _read_config(hf: dict) -> tuple[str, dict]:
                     f"quantization_config (quant_method="
                     f"{(hf.get('quantization_config') or {}).get('quant_method')})",
                     "weights are read in bf16/fp16/fp32; dequantize the checkpoint first")]
-    scaling = _rope_scaling(hf)
-    if scaling is not None:
-        unsupported.append((True, scaling, "only plain RoPE is implemented"))
+    rope_from_hf(hf)  # refuses a scaling it cannot map before anything is read
     if arch == QWEN3_MOE:
         step, only = hf.get("decoder_sparse_step", 1), hf.get("mlp_only_layers") or []
         unsupported += [(step != 1, f"decoder_sparse_step={step}",
@@ -429,44 +428,6 @@ def _read_config(hf: dict) -> tuple[str, dict]:
     return arch, dims
 
 
-def _rope_parameters(hf: dict) -> dict:
-    """RoPE settings in either layout transformers writes: top-level `rope_theta` and
-    `rope_scaling` (up to 4.x), or one `rope_parameters` dict (5.x)."""
-    params = hf.get("rope_parameters")
-    if params is None:
-        return {}
-    if not isinstance(params, dict):
-        raise ConfigError(f"config.json: rope_parameters={params!r} must be an object; fix "
-                          "config.json.")
-    # Per-attention-type layouts ({"full_attention": {...}}) hold one dict per kind.
-    nested = [v for v in params.values() if isinstance(v, dict)]
-    if nested:
-        raise ConfigError("config.json sets rope_parameters per attention type, which jaxtron "
-                          "cannot convert: only one plain RoPE is implemented; convert a model "
-                          "without that setting.")
-    return params
-
-
-def _rope_scaling(hf: dict) -> str | None:
-    """The config.json setting that asks for RoPE scaling, or None for plain RoPE."""
-    old = hf.get("rope_scaling")
-    if old is not None and (not isinstance(old, dict)
-                            or old.get("rope_type", old.get("type")) not in (None, "default")):
-        return f"rope_scaling={old}"
-    kind = _rope_parameters(hf).get("rope_type", "default")
-    if kind not in (None, "default"):
-        return f"rope_parameters.rope_type={kind}"
-    return None
-
-
-def _rope_theta(hf: dict, default: float) -> float:
-    theta = hf.get("rope_theta", _rope_parameters(hf).get("rope_theta", default))
-    if not isinstance(theta, (int, float)) or theta <= 0:
-        raise ConfigError(f"config.json: rope_theta={theta!r} must be a positive number; fix "
-                          "config.json.")
-    return float(theta)
-
-
 def _check_names(arch: str, expected: set, state_dict: dict) -> None:
     missing = sorted(expected - state_dict.keys())
     if missing:
@@ -495,9 +456,9 @@ def _overrides(arch: str, dims: dict, hf: dict, dtype: str) -> tuple[dict, dict]
              "num_heads": dims["H"], "num_kv_heads": dims["G"],
              "head_dim": None if dims["K"] == dims["D"] // dims["H"] else dims["K"],
              "mlp_dim": dims["dense_F"] or dims["F"], "vocab_size": dims["V"],
-             "max_seq_len": max_seq_len, "rope_theta": _rope_theta(hf, defaults["rope_theta"]),
+             "max_seq_len": max_seq_len, "rope_theta": rope_theta(hf, defaults["rope_theta"]),
              "norm_eps": float(get("rms_norm_eps")), "param_dtype": dtype,
-             "qk_norm": bool(dims.get("qk_norm"))}
+             "qk_norm": bool(dims.get("qk_norm")), **rope_from_hf(hf)}
     if "mla" in dims:
         mla = dims["mla"]
         model.update(attention="mla", num_kv_heads=None, head_dim=None,

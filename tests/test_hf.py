@@ -14,6 +14,7 @@ from jaxtron.hf import from_hf, load_hf_dir, save_hf_dir, to_hf
 from jaxtron.trainer import Trainer
 
 from conftest import make_config
+from hf_rope_reference import hf_rope_tables
 
 LLAMA = {"model": {"num_layers": 2, "d_model": 64, "num_heads": 4, "num_kv_heads": 2,
                    "mlp_dim": 96, "rope_theta": 500.0}}
@@ -65,9 +66,7 @@ def hf_forward(cfg, sd, ids):
     sd = {k: np.asarray(v, np.float64) for k, v in sd.items()}
     t, h, g = len(ids), cfg["num_attention_heads"], cfg["num_key_value_heads"]
     k_dim, eps = cfg["head_dim"], cfg["rms_norm_eps"]
-    inv_freq = 1.0 / cfg["rope_theta"] ** (np.arange(0, k_dim, 2) / k_dim)
-    emb = np.concatenate([np.outer(np.arange(t), inv_freq)] * 2, axis=-1)  # [T, K]
-    cos, sin = np.cos(emb), np.sin(emb)
+    cos, sin = hf_rope_tables(cfg, t, k_dim)  # [T, K], with any rope_scaling
     causal = np.tril(np.ones((t, t), bool))
     x = sd["model.embed_tokens.weight"][ids]
     for i in range(cfg["num_hidden_layers"]):
@@ -136,8 +135,10 @@ def test_errors_name_what_does_not_match():
     with pytest.raises(ConfigError, match="unsupported architecture 'GPT2LMHeadModel'"):
         from_hf({**hf_config, "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"},
                 tensors)
-    with pytest.raises(ConfigError, match="rope_scaling"):
-        from_hf({**hf_config, "rope_scaling": {"type": "linear", "factor": 2.0}}, tensors)
+    with pytest.raises(ConfigError, match="rope_scaling.rope_type=dynamic"):
+        from_hf({**hf_config, "rope_scaling": {"type": "dynamic", "factor": 2.0}}, tensors)
+    with pytest.raises(ConfigError, match="lacks original_max_position_embeddings"):
+        from_hf({**hf_config, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, tensors)
     name = "model.layers.1.mlp.up_proj.weight"
     with pytest.raises(DataError, match=f"missing tensor {name}"):
         from_hf(hf_config, {k: v for k, v in tensors.items() if k != name})
@@ -187,11 +188,46 @@ def test_transformers5_rope_parameters_layout_keeps_rope_theta():
     ids = np.random.default_rng(2).integers(0, 256, 12)
     ours = np.asarray(jax.jit(lambda m, t: m(t))(imported.model(restored), ids[None]))[0]
     np.testing.assert_allclose(ours, hf_forward(hf_config, tensors, ids), rtol=1e-4, atol=1e-4)
-    for scaled in ({"rope_theta": 500.0, "rope_type": "linear", "factor": 2.0},
-                   {"rope_theta": 500.0, "rope_type": "llama3", "factor": 8.0}):
-        layout = {**transformers5_layout(hf_config), "rope_parameters": scaled}
-        with pytest.raises(ConfigError, match=f"rope_parameters.rope_type={scaled['rope_type']}"):
-            from_hf(layout, tensors)
+    scaled = {"rope_theta": 500.0, "rope_type": "linear", "factor": 2.0}
+    model, _, _ = from_hf({**transformers5_layout(hf_config), "rope_parameters": scaled}, tensors)
+    assert (model["rope_scaling"], model["rope_factor"]) == ("linear", 2.0)
+    scaled = {"rope_theta": 500.0, "rope_type": "longrope", "factor": 8.0}
+    with pytest.raises(ConfigError, match="rope_parameters.rope_type=longrope"):
+        from_hf({**transformers5_layout(hf_config), "rope_parameters": scaled}, tensors)
+
+
+# Llama 3.1's (factor 8 from 8192; here from 16 so that a 12-token test sees all three bands of
+# its blend), linear interpolation, and YaRN as Qwen and DeepSeek set it.
+SCALED = {
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
+    "linear": {"type": "linear", "factor": 4.0},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+             "beta_fast": 32, "beta_slow": 1},
+    "yarn-mscale": {"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 64,
+                    "mscale": 1.0, "mscale_all_dim": 0.707},
+}
+
+
+@pytest.mark.parametrize("kind", list(SCALED))
+def test_rope_scaled_checkpoints_equal_the_hf_forward_and_export_back(kind):
+    config, _, _, pure = random_state("llama")
+    hf_config, tensors = to_hf(config, pure)
+    hf_config = {**hf_config, "rope_scaling": SCALED[kind]}
+    model, moe, params = from_hf(hf_config, tensors)
+    imported = Trainer(make_config(model=model, moe=moe))
+    state = imported.init_state()
+    nnx.replace_by_pure_dict(state.params, params)
+    ids = np.random.default_rng(3).integers(0, 256, 12)
+    ours = np.asarray(jax.jit(lambda m, t: m(t))(imported.model(state), ids[None]))[0]
+    reference = hf_forward(hf_config, tensors, ids)
+    np.testing.assert_allclose(ours, reference, rtol=1e-4, atol=1e-4)
+    plain = hf_forward({**hf_config, "rope_scaling": None}, tensors, ids)
+    assert np.abs(plain - reference).max() > 1e-3  # the scaling changes the logits
+    exported, _ = to_hf(imported.config, params)
+    again, moe_again, _ = from_hf(exported, tensors)
+    assert make_config(model=again, moe=moe_again).model == make_config(model=model,
+                                                                         moe=moe).model
 
 
 def test_bf16_checkpoints_import_with_fp32_master_weights(tmp_path):

@@ -16,6 +16,7 @@ from jaxtron.hf import from_hf, load_hf_dir, save_hf_dir, to_hf
 from jaxtron.trainer import Trainer
 
 from conftest import make_config
+from hf_rope_reference import hf_rope_tables
 from test_hf import rms_norm, rotate_half, silu, softmax
 
 QWEN3 = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
@@ -178,7 +179,11 @@ def deepseek_v3_forward(cfg, sd, ids):
     t, h, eps = len(ids), cfg["num_attention_heads"], cfg["rms_norm_eps"]
     kn, kr, vh, c = (cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"],
                      cfg["kv_lora_rank"])
-    cos, sin = rope_tables(t, kr, cfg["rope_theta"])
+    cos, sin = hf_rope_tables(cfg, t, kr)
+    scale = (kn + kr) ** -0.5
+    yarn = cfg.get("rope_scaling") or {}
+    if yarn.get("mscale_all_dim"):  # DeepseekV3Attention: softmax scale x mscale^2
+        scale *= (0.1 * yarn["mscale_all_dim"] * np.log(yarn["factor"]) + 1.0) ** 2
 
     def rope(x):  # [..., T, Kr]
         if cfg.get("rope_interleave", True):
@@ -205,7 +210,7 @@ def deepseek_v3_forward(cfg, sd, ids):
         q_rot, k_rot = rope(q_rot), rope(k_rot[None])
         query = np.concatenate([q_pass, q_rot], -1)
         key = np.concatenate([k_pass, np.broadcast_to(k_rot, (h, t, kr))], -1)
-        x = x + attend(query, key, v, (kn + kr) ** -0.5) @ sd[s + "o_proj.weight"].T
+        x = x + attend(query, key, v, scale) @ sd[s + "o_proj.weight"].T
         a = rms_norm(x, sd[p + "post_attention_layernorm.weight"], eps)
         if i < cfg["first_k_dense_replace"]:
             x = x + swiglu_mlp(a, sd, p + "mlp.")
@@ -239,6 +244,10 @@ CASES = {
     "deepseek-v3-dense": ({**DEEPSEEK, "first_k_dense_replace": 2}, deepseek_v3_forward),
     "deepseek-v3-dense-first": ({**DEEPSEEK, "num_hidden_layers": 3, "first_k_dense_replace": 1},
                                 deepseek_v3_forward),
+    # DeepSeek-V3's YaRN (factor 40, mscale = mscale_all_dim = 1), context cut to this test's
+    "deepseek-v3-yarn": ({**DEEPSEEK, "rope_scaling": {
+        "type": "yarn", "factor": 40, "original_max_position_embeddings": 16, "beta_fast": 32,
+        "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}}, deepseek_v3_forward),
 }
 
 
@@ -296,13 +305,14 @@ def test_imported_settings():
 @pytest.mark.parametrize("cfg, field", [
     ({**DEEPSEEK, "norm_topk_prob": False}, "norm_topk_prob=False"),
     ({**DEEPSEEK, "scoring_func": "softmax"}, "scoring_func=softmax"),
-    ({**DEEPSEEK, "rope_scaling": {"type": "yarn", "factor": 40}}, "rope_scaling"),
+    ({**DEEPSEEK, "rope_scaling": {"type": "yarn", "factor": 40, "attention_factor": 1.0}},
+     "rope_scaling.attention_factor"),
     ({**DEEPSEEK, "quantization_config": {"quant_method": "fp8"}}, "quantization_config"),
     ({**QWEN3, "decoder_sparse_step": 2}, "decoder_sparse_step=2"),
     ({**QWEN3, "mlp_only_layers": [0]}, r"mlp_only_layers=\[0\]"),
     ({k: v for k, v in QWEN3.items() if k != "rope_theta"}
-     | {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}},
-     "rope_parameters.rope_type=yarn"),
+     | {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e6, "factor": 4.0}},
+     "rope_parameters.rope_type=dynamic"),
 ])
 def test_unconvertible_settings_are_one_line_errors(cfg, field):
     with pytest.raises(ConfigError, match=f"config.json sets {field}") as err:

@@ -13,6 +13,7 @@ from flax import nnx
 
 from jaxtron.config import ModelConfig
 from jaxtron.kernels import attention
+from jaxtron.models import rope
 from jaxtron.models.activations import gelu_tanh, swiglu
 from jaxtron.models.token_layout import PLAIN, TokenLayout
 from jaxtron.sharding.rules import constrain
@@ -68,14 +69,16 @@ def head_rms_norm(x_BxLxHxK, scale_K, eps: float):
     return (x * scale_K.astype(jnp.float32)).astype(x_BxLxHxK.dtype)
 
 
-def rotary(x_BxLxHxK, positions, theta: float):
-    """RoPE (Su et al. 2021), rotating pairs (i, i + K/2) as Llama does. `positions` is [L]
-    (every row alike) or [B, L] (packed rows, restarting at each document)."""
-    half = x_BxLxHxK.shape[-1] // 2
-    freq_K2 = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+def rotary(x_BxLxHxK, positions, cfg: ModelConfig):
+    """RoPE (Su et al. 2021), rotating pairs (i, i + K/2) as Llama does, at the rates of
+    `models/rope.py` (plain, or scaled by `model.rope_scaling`). `positions` is [L] (every row
+    alike) or [B, L] (packed rows, restarting at each document)."""
+    width = x_BxLxHxK.shape[-1]
+    freq_K2 = jnp.asarray(rope.inverse_frequencies(cfg, width), jnp.float32)
     angle = positions.astype(jnp.float32)[..., None] * freq_K2  # [L, K2] or [B, L, K2]
     angle_BxLx1xK2 = (angle[None] if angle.ndim == 2 else angle)[:, :, None, :]
-    sin, cos = jnp.sin(angle_BxLx1xK2), jnp.cos(angle_BxLx1xK2)
+    scale = rope.rotation_scale(cfg)
+    sin, cos = jnp.sin(angle_BxLx1xK2) * scale, jnp.cos(angle_BxLx1xK2) * scale
     x1, x2 = jnp.split(x_BxLxHxK.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x_BxLxHxK.dtype)
@@ -120,8 +123,8 @@ class Attention(nnx.Module):
             q_BxLxHxK = head_rms_norm(q_BxLxHxK, self.q_norm[...], cfg.norm_eps)
             k_BxLxGxK = head_rms_norm(k_BxLxGxK, self.k_norm[...], cfg.norm_eps)
         if cfg.type == "llama":
-            q_BxLxHxK = rotary(q_BxLxHxK, positions, cfg.rope_theta)
-            k_BxLxGxK = rotary(k_BxLxGxK, positions, cfg.rope_theta)
+            q_BxLxHxK = rotary(q_BxLxHxK, positions, cfg)
+            k_BxLxGxK = rotary(k_BxLxGxK, positions, cfg)
         return q_BxLxHxK, k_BxLxGxK, v_BxLxGxK
 
     def project_out(self, out_BxLxHxK):

@@ -38,6 +38,7 @@ from flax import nnx
 
 from jaxtron.config import ModelConfig
 from jaxtron.kernels import attention
+from jaxtron.models import rope
 from jaxtron.models.layers import normal, param, rotary
 from jaxtron.models.token_layout import PLAIN, TokenLayout
 from jaxtron.sharding.rules import constrain
@@ -88,11 +89,14 @@ class MLAttention(nnx.Module):
         else:
             q_BxLxHxK = jnp.einsum("bld,dhk->blhk", x_BxLxD, self.wq[...].astype(dt))
         q_nope, q_pe = jnp.split(q_BxLxHxK, [cfg.qk_nope_head_dim], axis=-1)
-        q_BxLxHxK = jnp.concatenate([q_nope, rotary(q_pe, positions, cfg.rope_theta)], axis=-1)
+        q_BxLxHxK = jnp.concatenate([q_nope, rotary(q_pe, positions, cfg)], axis=-1)
+        softmax_factor = rope.latent_softmax_scale(cfg)
+        if softmax_factor != 1.0:  # YaRN's softmax scale, carried by the queries
+            q_BxLxHxK = q_BxLxHxK * jnp.asarray(softmax_factor, q_BxLxHxK.dtype)
         ckv_BxLxCP = jnp.einsum("bld,dc->blc", x_BxLxD, self.wkv_down[...].astype(dt))
         latent_BxLxC, p_BxLxP = jnp.split(ckv_BxLxCP, [cfg.kv_lora_rank], axis=-1)
         latent_BxLxC = rms_norm(latent_BxLxC, self.kv_norm[...], cfg.norm_eps)
-        p_BxLxP = rotary(p_BxLxP[:, :, None, :], positions, cfg.rope_theta)[:, :, 0]
+        p_BxLxP = rotary(p_BxLxP[:, :, None, :], positions, cfg)[:, :, 0]
         return q_BxLxHxK, latent_BxLxC, p_BxLxP
 
     def project_out(self, out_BxLxHxV):
