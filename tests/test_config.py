@@ -54,6 +54,11 @@ def test_shipped_configs_load():
     (["pipeline.microbatches=4"], "need mesh.stage > 1"),
     (["train.steps"], "must look like section.key=value"),
     (["model.type=gpt2", "model.num_kv_heads=2"], "model.type=gpt2 uses multi-head attention"),
+    (["model.rope_scaling=llama3", "model.rope_high_freq_factor=0.5"],
+     "model.rope_high_freq_factor=0.5 must exceed model.rope_low_freq_factor=1.0"),
+    (["model.rope_scaling=yarn", "model.rope_factor=0"], "model.rope_factor=0.0 and"),
+    (["optim.schedule=wsd", "optim.decay_fraction=1.5"], "optim.decay_fraction=1.5 must lie"),
+    (["optim.warmup_steps=20", "optim.decay_steps=10"], "optim.decay_steps=10 must exceed"),
 ])
 def test_bad_fields_name_the_field_and_fix(overrides, fragment):
     with pytest.raises(ConfigError) as err:
