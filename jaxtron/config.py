@@ -49,6 +49,9 @@ class ModelConfig:
     mlp_dim: int = _f(512, "hidden width of the feed-forward block")
     vocab_size: int = _f(256, "embedding rows; must cover the data's tokenizer")
     max_seq_len: int = _f(2048, "longest sequence the position encoding supports")
+    tie_embeddings: bool | None = _f(None, "output head = the embedding table transposed "
+                                     "(null = per type: gpt2 tied, llama untied; Llama 3.2 "
+                                     "1B/3B and small Qwen3 models tie)")
     rope_theta: float = _f(10000.0, "RoPE base frequency (llama)")
     rope_scaling: str = _f("none", "RoPE scaling for a longer context: linear (position "
                            "interpolation), llama3 (Llama 3.1), yarn (DeepSeek-V3, Qwen); "
@@ -122,7 +125,7 @@ class ModelConfig:
 
     @property
     def tied_embeddings(self) -> bool:
-        return self.type == "gpt2"
+        return self.type == "gpt2" if self.tie_embeddings is None else self.tie_embeddings
 
 
 @dataclass(frozen=True)

@@ -86,8 +86,9 @@ def _tensor_table(dims: dict) -> list[tuple]:
     n, d, h, g, k, f, v, e = (dims[c] for c in "NDHGKFVE")
     arch, mla = dims["arch"], dims.get("mla")
     rows = [("model.embed_tokens.weight", ("embedder", "embed"), (), (v, d), 0),
-            ("model.norm.weight", ("head", "final_norm", "scale"), (), (d,), 0),
-            ("lm_head.weight", ("head", "lm_head"), (), (d, v), 1)]
+            ("model.norm.weight", ("head", "final_norm", "scale"), (), (d,), 0)]
+    if not dims.get("tied"):  # tied: the head is the embedding table
+        rows.append(("lm_head.weight", ("head", "lm_head"), (), (d, v), 1))
     first_dense = dims.get("first_dense", 0)
     for i in range(n):
         # DeepSeek-V3's first layers are dense: a stack of their own ("dense_blocks").
@@ -257,7 +258,8 @@ def _dims(config: Config, arch: str) -> dict:
             "arch": arch, "qk_norm": m.qk_norm,
             "shared": moe.shared_experts * f if moe.enabled else 0,
             "bias": moe.enabled and moe.bias_update_rate > 0,
-            "first_dense": moe.first_dense_layers if moe.enabled else 0, "dense_F": m.mlp_dim}
+            "first_dense": moe.first_dense_layers if moe.enabled else 0, "dense_F": m.mlp_dim,
+            "tied": m.tied_embeddings}
     if m.attention == "mla":
         dims["mla"] = {"Q": m.q_lora_rank or 0, "C": m.kv_lora_rank, "Kn": m.qk_nope_head_dim,
                        "Kr": m.qk_rope_head_dim, "Vh": m.v_head_dim, "interleave": True}
@@ -295,7 +297,7 @@ def to_hf(config: Config, params: dict) -> tuple[dict, dict[str, np.ndarray]]:
           "num_key_value_heads": m.kv_heads, "head_dim": m.resolved_head_dim,
           "vocab_size": m.vocab_size, "max_position_embeddings": m.max_seq_len,
           "rms_norm_eps": m.norm_eps, "rope_theta": m.rope_theta, "rope_scaling": rope_to_hf(m),
-          "hidden_act": "silu", "attention_bias": False, "tie_word_embeddings": False,
+          "hidden_act": "silu", "attention_bias": False, "tie_word_embeddings": m.tied_embeddings,
           "initializer_range": m.init_std, "torch_dtype": dtype}
     if arch == MIXTRAL:
         hf.update(num_local_experts=moe.num_experts, num_experts_per_tok=moe.top_k,
@@ -404,7 +406,8 @@ def _read_config(hf: dict) -> tuple[str, dict]:
     dims = {"N": hf["num_hidden_layers"], "D": hf["hidden_size"], "H": h, "G": g,
             "K": hf.get("head_dim") or hf["hidden_size"] // h,
             "F": hf.get("intermediate_size", 0), "V": hf["vocab_size"], "E": 0, "arch": arch,
-            "dense_F": hf.get("intermediate_size", 0)}
+            "dense_F": hf.get("intermediate_size", 0),
+            "tied": bool(hf.get("tie_word_embeddings", False))}
     if arch == MIXTRAL:
         dims["E"] = hf["num_local_experts"]
     elif arch == QWEN3_MOE:
@@ -458,7 +461,8 @@ def _overrides(arch: str, dims: dict, hf: dict, dtype: str) -> tuple[dict, dict]
              "mlp_dim": dims["dense_F"] or dims["F"], "vocab_size": dims["V"],
              "max_seq_len": max_seq_len, "rope_theta": rope_theta(hf, defaults["rope_theta"]),
              "norm_eps": float(get("rms_norm_eps")), "param_dtype": dtype,
-             "qk_norm": bool(dims.get("qk_norm")), **rope_from_hf(hf)}
+             "qk_norm": bool(dims.get("qk_norm")), **rope_from_hf(hf),
+             **({"tie_embeddings": True} if dims.get("tied") else {})}
     if "mla" in dims:
         mla = dims["mla"]
         model.update(attention="mla", num_kv_heads=None, head_dim=None,
@@ -508,14 +512,13 @@ def from_hf(hf_config: dict, state_dict: dict) -> tuple[dict, dict, dict]:
     """HF config.json dict and tensors -> (model overrides, moe overrides, params pure dict).
 
     The overrides are `model.*` / `moe.*` config fields (e.g. `make_config(model=..., moe=...)`);
-    the MoE runs dropless, as the HF models do. Tied embeddings are untied by copying the table; a
+    the MoE runs dropless, as the HF models do. Tied embeddings stay tied (`model.tie_embeddings`); a
     `sliding_window` shorter than max_position_embeddings becomes `model.max_seq_len`. A nonzero
     DeepSeek `e_score_correction_bias` becomes the router bias, with moe.bias_update_rate=1e-3."""
     arch, dims = _read_config(hf_config)
     state_dict = dict(state_dict)
-    if hf_config.get("tie_word_embeddings") and "lm_head.weight" not in state_dict:
-        if "model.embed_tokens.weight" in state_dict:
-            state_dict["lm_head.weight"] = state_dict["model.embed_tokens.weight"]
+    if dims.get("tied"):  # transformers ties the head to the table whatever the file holds
+        state_dict.pop("lm_head.weight", None)
     if arch == DEEPSEEK_V3:
         state_dict = _deepseek_rows(_drop_deepseek_extras(hf_config, dims, state_dict), dims,
                                     to_ours=True)

@@ -159,13 +159,32 @@ def test_tied_and_windowed_checkpoints_and_missing_files(tmp_path):
     config, _, _, pure = random_state("llama")
     hf_config, tensors = to_hf(config, pure)
     tied = {k: v for k, v in tensors.items() if k != "lm_head.weight"}
-    _, _, params = from_hf({**hf_config, "tie_word_embeddings": True}, tied)
-    np.testing.assert_array_equal(params["head"]["lm_head"], pure["embedder"]["embed"].T)
+    model, _, params = from_hf({**hf_config, "tie_word_embeddings": True}, tied)
+    assert model["tie_embeddings"] and "lm_head" not in params["head"]  # stays tied
     model, _, _ = from_hf({**hf_config, "sliding_window": 128}, tensors)
     assert model["max_seq_len"] == 128  # windowed attention == causal up to the window
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(DataError, match="neither model.safetensors nor"):
         load_hf_dir(tmp_path)
+
+
+def test_tied_llama_equals_the_hf_forward_and_exports_tied():
+    """Llama 3.2 1B/3B tie the head to the table: one matrix in the model, none written."""
+    config = make_config(model={**LLAMA["model"], "tie_embeddings": True, "init_std": 0.1})
+    trainer = Trainer(config)
+    state = trainer.init_state()
+    pure = nnx.to_pure_dict(trainer.to_model_params(state.params))
+    assert "lm_head" not in pure["head"]
+    hf_config, tensors = to_hf(config, pure)
+    assert hf_config["tie_word_embeddings"] and "lm_head.weight" not in tensors
+    ids = np.random.default_rng(4).integers(0, 256, 12)
+    ours = np.asarray(jax.jit(lambda m, t: m(t))(trainer.model(state), ids[None]))[0]
+    reference = hf_forward(hf_config, {**tensors, "lm_head.weight":
+                                       tensors["model.embed_tokens.weight"]}, ids)
+    np.testing.assert_allclose(ours, reference, rtol=1e-4, atol=1e-4)
+    model, moe, params = from_hf(hf_config, tensors)
+    jax.tree.map(np.testing.assert_array_equal, params, pure)
+    assert make_config(model={**model, "init_std": 0.1}, moe=moe).model == config.model
 
 
 def transformers5_layout(hf_config: dict) -> dict:
