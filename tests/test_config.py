@@ -20,6 +20,25 @@ def test_yaml_and_dotted_overrides(tmp_path):
     assert c.model.resolved_head_dim == 96 // 4
 
 
+@pytest.mark.parametrize("name, billions", [
+    ("llama3.1-8b", 8.03),   # Meta's model card: 8.03B
+    ("qwen3-8b", 8.19),      # Qwen3 technical report: 8.2B
+    ("deepseek-v3", 671.71),  # 671B + the multi-token-prediction module (one dense block here)
+])
+def test_published_shapes_have_the_published_parameter_counts(name, billions):
+    import math
+
+    import jax
+    from flax import nnx
+
+    from jaxtron.models import Transformer
+
+    c = config_lib.load(f"configs/{name}.yaml")
+    model = nnx.eval_shape(lambda: Transformer(c.model, rngs=nnx.Rngs(0), moe=c.moe))
+    count = sum(math.prod(a.shape) for a in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    assert count / 1e9 == pytest.approx(billions, abs=0.01)
+
+
 def test_dump_round_trips(tmp_path):
     c = make_config()
     path = tmp_path / "resolved.yaml"
@@ -28,9 +47,10 @@ def test_dump_round_trips(tmp_path):
 
 
 def test_shipped_configs_load():
-    for name in ("tiny", "gpt2-124m", "llama3-8b", "llama3-70b"):
-        c = config_lib.load(f"configs/{name}.yaml")
-        assert c.model.num_layers > 0
+    import pathlib
+    for path in sorted(pathlib.Path("configs").glob("*.yaml")):
+        c = config_lib.load(path)
+        assert c.model.num_layers > 0, path
     big = config_lib.load("configs/llama3-70b.yaml")
     assert (big.model.num_layers, big.model.d_model, big.model.kv_heads) == (80, 8192, 8)
 
