@@ -5,7 +5,10 @@
     model, moe, params = from_hf(*load_hf_dir("out/hf"))
 
 Families, chosen on export from the config:
-- `LlamaForCausalLM`: a dense llama.
+- `LlamaForCausalLM`: a dense llama (Llama 2, 3, 3.1 with `rope_scaling`, 3.2 with tied
+  embeddings). `MistralForCausalLM` imports as one (its `sliding_window` cuts
+  `model.max_seq_len`, where windowed attention equals causal attention).
+- `Qwen3ForCausalLM`: a dense llama with `model.qk_norm`.
 - `MixtralForCausalLM`: an MoE block in every layer (`moe.every=1`), no shared experts,
   `topk_then_softmax` routing.
 - `Qwen3MoeForCausalLM`: as Mixtral plus `model.qk_norm` (Qwen3's per-head q_norm/k_norm);
@@ -50,13 +53,18 @@ from jaxtron.hf_rope import rope_from_hf, rope_theta, rope_to_hf
 
 LLAMA, MIXTRAL = "LlamaForCausalLM", "MixtralForCausalLM"
 QWEN3_MOE, DEEPSEEK_V3 = "Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM"
+QWEN3, MISTRAL = "Qwen3ForCausalLM", "MistralForCausalLM"
 MODEL_TYPES = {LLAMA: "llama", MIXTRAL: "mixtral", QWEN3_MOE: "qwen3_moe",
-               DEEPSEEK_V3: "deepseek_v3"}
+               DEEPSEEK_V3: "deepseek_v3", QWEN3: "qwen3", MISTRAL: "mistral"}
 # HF config defaults for fields a config.json may omit (transformers' config classes).
 DEFAULTS = {LLAMA: {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
                     "rope_theta": 10000.0},
             MIXTRAL: {"max_position_embeddings": 4096 * 32, "rms_norm_eps": 1e-5,
                       "rope_theta": 1e6},
+            QWEN3: {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
+                    "rope_theta": 10000.0},
+            MISTRAL: {"max_position_embeddings": 4096 * 32, "rms_norm_eps": 1e-6,
+                      "rope_theta": 10000.0},
             QWEN3_MOE: {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
                         "rope_theta": 10000.0, "norm_topk_prob": False},
             DEEPSEEK_V3: {"max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
@@ -211,16 +219,14 @@ def _export_arch(config: Config) -> str:
     m, moe = config.model, config.moe
     if m.type != "llama":
         raise ConfigError(f"model.type={m.type} cannot be exported: only llama maps onto "
-                          "Hugging Face's Llama / Mixtral / Qwen3-MoE / DeepSeek-V3; export a "
+                          "Hugging Face's Llama / Qwen3 / Mixtral / Qwen3-MoE / DeepSeek-V3; export a "
                           "llama model, or use --format orbax.")
     if m.attention == "mla":
         arch = DEEPSEEK_V3
     elif moe.enabled:
         arch = QWEN3_MOE if m.qk_norm else MIXTRAL
     else:
-        arch = LLAMA
-    _refuse(arch, [(not m.qk_norm or arch == QWEN3_MOE, "model.qk_norm=true",
-                    "only Qwen3-MoE (an MoE model) maps QK-norm")])
+        arch = QWEN3 if m.qk_norm else LLAMA
     if not moe.enabled:
         return arch
     common = [(moe.every == 1, f"moe.every={moe.every}",
@@ -302,6 +308,8 @@ def to_hf(config: Config, params: dict) -> tuple[dict, dict[str, np.ndarray]]:
     if arch == MIXTRAL:
         hf.update(num_local_experts=moe.num_experts, num_experts_per_tok=moe.top_k,
                   router_aux_loss_coef=moe.aux_loss_coef, sliding_window=None)
+    elif arch == QWEN3:
+        hf.update(use_sliding_window=False, sliding_window=None, max_window_layers=m.num_layers)
     elif arch == QWEN3_MOE:
         hf.update(intermediate_size=m.mlp_dim, moe_intermediate_size=dims["F"],
                   num_experts=moe.num_experts, num_experts_per_tok=moe.top_k,
@@ -347,7 +355,8 @@ def _arch(hf: dict) -> str:
     return arch
 
 
-REQUIRED = {LLAMA: ["intermediate_size"], MIXTRAL: ["intermediate_size", "num_local_experts",
+REQUIRED = {LLAMA: ["intermediate_size"], QWEN3: ["intermediate_size"],
+            MISTRAL: ["intermediate_size"], MIXTRAL: ["intermediate_size", "num_local_experts",
                                                     "num_experts_per_tok"],
             QWEN3_MOE: ["moe_intermediate_size", "num_experts", "num_experts_per_tok"],
             DEEPSEEK_V3: ["kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"]}
@@ -412,6 +421,8 @@ def _read_config(hf: dict) -> tuple[str, dict]:
         dims["E"] = hf["num_local_experts"]
     elif arch == QWEN3_MOE:
         dims.update(E=hf["num_experts"], F=hf["moe_intermediate_size"], qk_norm=True)
+    elif arch == QWEN3:
+        dims["qk_norm"] = True
     elif arch == DEEPSEEK_V3:
         dims["K"] = hf["hidden_size"] // h
         dims["mla"] = {"Q": get("q_lora_rank") or 0, "C": hf["kv_lora_rank"],
@@ -452,7 +463,7 @@ def _overrides(arch: str, dims: dict, hf: dict, dtype: str) -> tuple[dict, dict]
     max_seq_len = get("max_position_embeddings")
     # Sliding-window attention equals full causal attention on sequences no longer than the
     # window, so a windowed checkpoint converts with its sequence limit cut to the window.
-    windowed = hf.get("use_sliding_window", True) if arch == QWEN3_MOE else True
+    windowed = hf.get("use_sliding_window", True) if arch in (QWEN3, QWEN3_MOE) else True
     if windowed and hf.get("sliding_window") is not None:
         max_seq_len = min(max_seq_len, hf["sliding_window"])
     model = {"type": "llama", "num_layers": dims["N"], "d_model": dims["D"],

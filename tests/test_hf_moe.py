@@ -328,10 +328,6 @@ def test_transformers5_rope_parameters_layout():
 
 
 def test_export_refusals_name_the_field():
-    qk_dense = make_config(model={"qk_norm": True})
-    with pytest.raises(ConfigError, match="model.qk_norm=true cannot be exported as "
-                                          "LlamaForCausalLM"):
-        to_hf(qk_dense, {})
     softmax_mla = make_config(model={"attention": "mla", "num_kv_heads": None},
                               moe={"num_experts": 4})
     with pytest.raises(ConfigError, match="moe.score=softmax cannot be exported as "
