@@ -49,6 +49,8 @@ class ModelConfig:
     mlp_dim: int = _f(512, "hidden width of the feed-forward block")
     vocab_size: int = _f(256, "embedding rows; must cover the data's tokenizer")
     max_seq_len: int = _f(2048, "longest sequence the position encoding supports")
+    qkv_bias: bool = _f(False, "biases on the query, key and value projections of a llama "
+                        "(Qwen2)")
     tie_embeddings: bool | None = _f(None, "output head = the embedding table transposed "
                                      "(null = per type: gpt2 tied, llama untied; Llama 3.2 "
                                      "1B/3B and small Qwen3 models tie)")

@@ -72,6 +72,9 @@ def validate(c: Config) -> None:
     _check(m.type != "llama" or m.resolved_head_dim % 2 == 0,
            f"RoPE needs an even head dimension; model.head_dim resolves to {m.resolved_head_dim}.")
     _check_blend(d)
+    _check(not m.qkv_bias or (m.type == "llama" and m.attention != "mla"),
+           "model.qkv_bias=true needs model.type=llama with model.attention other than mla "
+           "(gpt2 already biases every projection; latent attention has none).")
     if m.rope_scaling != "none":
         _check(m.type == "llama", f"model.rope_scaling={m.rope_scaling} needs model.type=llama "
                "(gpt2 has learned positions, no RoPE).")

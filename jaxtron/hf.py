@@ -9,6 +9,7 @@ Families, chosen on export from the config:
   embeddings). `MistralForCausalLM` imports as one (its `sliding_window` cuts
   `model.max_seq_len`, where windowed attention equals causal attention).
 - `Qwen3ForCausalLM`: a dense llama with `model.qk_norm`.
+- `Qwen2ForCausalLM`: a dense llama with `model.qkv_bias` (q/k/v projection biases).
 - `MixtralForCausalLM`: an MoE block in every layer (`moe.every=1`), no shared experts,
   `topk_then_softmax` routing.
 - `Qwen3MoeForCausalLM`: as Mixtral plus `model.qk_norm` (Qwen3's per-head q_norm/k_norm);
@@ -53,15 +54,17 @@ from jaxtron.hf_rope import rope_from_hf, rope_theta, rope_to_hf
 
 LLAMA, MIXTRAL = "LlamaForCausalLM", "MixtralForCausalLM"
 QWEN3_MOE, DEEPSEEK_V3 = "Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM"
-QWEN3, MISTRAL = "Qwen3ForCausalLM", "MistralForCausalLM"
+QWEN3, MISTRAL, QWEN2 = "Qwen3ForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"
 MODEL_TYPES = {LLAMA: "llama", MIXTRAL: "mixtral", QWEN3_MOE: "qwen3_moe",
-               DEEPSEEK_V3: "deepseek_v3", QWEN3: "qwen3", MISTRAL: "mistral"}
+               DEEPSEEK_V3: "deepseek_v3", QWEN3: "qwen3", MISTRAL: "mistral", QWEN2: "qwen2"}
 # HF config defaults for fields a config.json may omit (transformers' config classes).
 DEFAULTS = {LLAMA: {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
                     "rope_theta": 10000.0},
             MIXTRAL: {"max_position_embeddings": 4096 * 32, "rms_norm_eps": 1e-5,
                       "rope_theta": 1e6},
             QWEN3: {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
+                    "rope_theta": 10000.0},
+            QWEN2: {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
                     "rope_theta": 10000.0},
             MISTRAL: {"max_position_embeddings": 4096 * 32, "rms_norm_eps": 1e-6,
                       "rope_theta": 10000.0},
@@ -72,6 +75,7 @@ DEFAULTS = {LLAMA: {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
                           "first_k_dense_replace": 3, "n_shared_experts": 1, "n_group": 8,
                           "topk_group": 4, "routed_scaling_factor": 2.5, "q_lora_rank": 1536,
                           "rope_interleave": True}}
+FLAT = -1  # a tensor table row's "input dims" for a bias: our [H, K] is HF's flat [H * K]
 IGNORED_TENSORS = ("rotary_emb.inv_freq",)  # a buffer older checkpoints saved; recomputed
 SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
 # DeepSeek-V3's e_score_correction_bias imports as a router_bias, which exists with
@@ -127,6 +131,9 @@ def _tensor_table(dims: dict) -> list[tuple]:
                      (p + "self_attn.k_proj.weight", a + ("wk",), (j,), (cnt, d, g, k), 1),
                      (p + "self_attn.v_proj.weight", a + ("wv",), (j,), (cnt, d, g, k), 1),
                      (p + "self_attn.o_proj.weight", a + ("wo",), (j,), (cnt, h, k, d), 2)]
+            if dims.get("qkv_bias"):  # Qwen2
+                rows += [(p + f"self_attn.{x}_proj.bias", a + (f"b{x}",), (j,), (cnt, n_, k),
+                          FLAT) for x, n_ in (("q", h), ("k", g), ("v", g))]
         if dims.get("qk_norm"):
             rows += [(p + f"self_attn.{x}_norm.weight", a + (f"{x}_norm",), (j,), (cnt, k), 0)
                      for x in "qk"]
@@ -164,6 +171,8 @@ def _tensor_table(dims: dict) -> list[tuple]:
 
 def _hf_shape(full_shape, index, input_dims) -> tuple[int, ...]:
     shape = full_shape[len(index):]
+    if input_dims == FLAT:
+        return (math.prod(shape),)
     if not input_dims:
         return tuple(shape)
     return (math.prod(shape[input_dims:]), math.prod(shape[:input_dims]))
@@ -226,7 +235,9 @@ def _export_arch(config: Config) -> str:
     elif moe.enabled:
         arch = QWEN3_MOE if m.qk_norm else MIXTRAL
     else:
-        arch = QWEN3 if m.qk_norm else LLAMA
+        arch = QWEN3 if m.qk_norm else QWEN2 if m.qkv_bias else LLAMA
+    _refuse(arch, [(not (m.qk_norm and m.qkv_bias), "model.qkv_bias=true",
+                    "Qwen3 (QK-norm) has no q/k/v biases; use model.qkv_bias=false")])
     if not moe.enabled:
         return arch
     common = [(moe.every == 1, f"moe.every={moe.every}",
@@ -265,7 +276,7 @@ def _dims(config: Config, arch: str) -> dict:
             "shared": moe.shared_experts * f if moe.enabled else 0,
             "bias": moe.enabled and moe.bias_update_rate > 0,
             "first_dense": moe.first_dense_layers if moe.enabled else 0, "dense_F": m.mlp_dim,
-            "tied": m.tied_embeddings}
+            "tied": m.tied_embeddings, "qkv_bias": m.qkv_bias}
     if m.attention == "mla":
         dims["mla"] = {"Q": m.q_lora_rank or 0, "C": m.kv_lora_rank, "Kn": m.qk_nope_head_dim,
                        "Kr": m.qk_rope_head_dim, "Vh": m.v_head_dim, "interleave": True}
@@ -292,7 +303,9 @@ def to_hf(config: Config, params: dict) -> tuple[dict, dict[str, np.ndarray]]:
                             f"implies {full_shape}; export with the config the parameters were "
                             "trained with.")
         w = array[index]
-        if input_dims:
+        if input_dims == FLAT:
+            w = w.reshape(-1)
+        elif input_dims:
             w = w.reshape(math.prod(w.shape[:input_dims]), -1).T
         tensors[name] = np.ascontiguousarray(w)
     dtype = str(tensors["model.embed_tokens.weight"].dtype)
@@ -308,7 +321,7 @@ def to_hf(config: Config, params: dict) -> tuple[dict, dict[str, np.ndarray]]:
     if arch == MIXTRAL:
         hf.update(num_local_experts=moe.num_experts, num_experts_per_tok=moe.top_k,
                   router_aux_loss_coef=moe.aux_loss_coef, sliding_window=None)
-    elif arch == QWEN3:
+    elif arch in (QWEN3, QWEN2):
         hf.update(use_sliding_window=False, sliding_window=None, max_window_layers=m.num_layers)
     elif arch == QWEN3_MOE:
         hf.update(intermediate_size=m.mlp_dim, moe_intermediate_size=dims["F"],
@@ -356,6 +369,7 @@ def _arch(hf: dict) -> str:
 
 
 REQUIRED = {LLAMA: ["intermediate_size"], QWEN3: ["intermediate_size"],
+            QWEN2: ["intermediate_size"],
             MISTRAL: ["intermediate_size"], MIXTRAL: ["intermediate_size", "num_local_experts",
                                                     "num_experts_per_tok"],
             QWEN3_MOE: ["moe_intermediate_size", "num_experts", "num_experts_per_tok"],
@@ -423,6 +437,8 @@ def _read_config(hf: dict) -> tuple[str, dict]:
         dims.update(E=hf["num_experts"], F=hf["moe_intermediate_size"], qk_norm=True)
     elif arch == QWEN3:
         dims["qk_norm"] = True
+    elif arch == QWEN2:
+        dims["qkv_bias"] = True
     elif arch == DEEPSEEK_V3:
         dims["K"] = hf["hidden_size"] // h
         dims["mla"] = {"Q": get("q_lora_rank") or 0, "C": hf["kv_lora_rank"],
@@ -463,7 +479,8 @@ def _overrides(arch: str, dims: dict, hf: dict, dtype: str) -> tuple[dict, dict]
     max_seq_len = get("max_position_embeddings")
     # Sliding-window attention equals full causal attention on sequences no longer than the
     # window, so a windowed checkpoint converts with its sequence limit cut to the window.
-    windowed = hf.get("use_sliding_window", True) if arch in (QWEN3, QWEN3_MOE) else True
+    windowed = (hf.get("use_sliding_window", True) if arch in (QWEN2, QWEN3, QWEN3_MOE)
+                else True)
     if windowed and hf.get("sliding_window") is not None:
         max_seq_len = min(max_seq_len, hf["sliding_window"])
     model = {"type": "llama", "num_layers": dims["N"], "d_model": dims["D"],
@@ -473,7 +490,8 @@ def _overrides(arch: str, dims: dict, hf: dict, dtype: str) -> tuple[dict, dict]
              "max_seq_len": max_seq_len, "rope_theta": rope_theta(hf, defaults["rope_theta"]),
              "norm_eps": float(get("rms_norm_eps")), "param_dtype": dtype,
              "qk_norm": bool(dims.get("qk_norm")), **rope_from_hf(hf),
-             **({"tie_embeddings": True} if dims.get("tied") else {})}
+             **({"tie_embeddings": True} if dims.get("tied") else {}),
+             **({"qkv_bias": True} if dims.get("qkv_bias") else {})}
     if "mla" in dims:
         mla = dims["mla"]
         model.update(attention="mla", num_kv_heads=None, head_dim=None,
@@ -544,7 +562,11 @@ def from_hf(hf_config: dict, state_dict: dict) -> tuple[dict, dict, dict]:
                             "fix config.json or the weights so they agree.")
         if path not in arrays:
             arrays[path] = np.empty(full_shape, w.dtype)
-        arrays[path][index] = w.T.reshape(full_shape[len(index):]) if input_dims else w
+        if input_dims == FLAT:
+            w = w.reshape(full_shape[len(index):])
+        elif input_dims:
+            w = w.T.reshape(full_shape[len(index):])
+        arrays[path][index] = w
     dtype = str(arrays[("embedder", "embed")].dtype)
     if dtype not in COMPUTE_DTYPES:
         raise DataError(f"the safetensors file holds {dtype} tensors; jaxtron parameters are "

@@ -21,7 +21,8 @@ LLAMA = {"model": {"num_layers": 2, "d_model": 64, "num_heads": 4, "num_kv_heads
 MIXTRAL = {"model": {**LLAMA["model"], "num_heads": 8, "head_dim": 16},  # H*K != D
            "moe": {"num_experts": 4, "top_k": 2, "mode": "dropless"}}
 QWEN3 = {"model": {**LLAMA["model"], "num_heads": 8, "head_dim": 16, "qk_norm": True}}
-VARIANTS = {"llama": LLAMA, "mixtral": MIXTRAL, "qwen3": QWEN3}
+QWEN2 = {"model": {**LLAMA["model"], "qkv_bias": True}}
+VARIANTS = {"llama": LLAMA, "mixtral": MIXTRAL, "qwen3": QWEN3, "qwen2": QWEN2}
 
 
 @functools.cache
@@ -73,13 +74,15 @@ def hf_forward(cfg, sd, ids):
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
         a = rms_norm(x, sd[p + "input_layernorm.weight"], eps)
-        q = (a @ sd[p + "self_attn.q_proj.weight"].T).reshape(t, h, k_dim)
-        k = (a @ sd[p + "self_attn.k_proj.weight"].T).reshape(t, g, k_dim)
+        bias = {x: sd.get(f"{p}self_attn.{x}_proj.bias", 0.0) for x in "qkv"}  # Qwen2
+        q = (a @ sd[p + "self_attn.q_proj.weight"].T + bias["q"]).reshape(t, h, k_dim)
+        k = (a @ sd[p + "self_attn.k_proj.weight"].T + bias["k"]).reshape(t, g, k_dim)
         if p + "self_attn.q_norm.weight" in sd:  # Qwen3: RMSNorm per head, before RoPE
             q = rms_norm(q, sd[p + "self_attn.q_norm.weight"], eps)
             k = rms_norm(k, sd[p + "self_attn.k_norm.weight"], eps)
         q, k = q.transpose(1, 0, 2), k.transpose(1, 0, 2)
-        v = (a @ sd[p + "self_attn.v_proj.weight"].T).reshape(t, g, k_dim).transpose(1, 0, 2)
+        v = (a @ sd[p + "self_attn.v_proj.weight"].T + bias["v"]).reshape(t, g, k_dim).transpose(
+            1, 0, 2)
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
         k, v = np.repeat(k, h // g, axis=0), np.repeat(v, h // g, axis=0)  # repeat_kv
         scores = np.where(causal, q @ k.transpose(0, 2, 1) / np.sqrt(k_dim), -np.inf)
@@ -104,7 +107,7 @@ def hf_forward(cfg, sd, ids):
     return rms_norm(x, sd["model.norm.weight"], eps) @ sd["lm_head.weight"].T
 
 
-@pytest.mark.parametrize("variant", ["llama", "mixtral", "qwen3"])
+@pytest.mark.parametrize("variant", ["llama", "mixtral", "qwen3", "qwen2"])
 def test_logits_equal_an_independent_hf_forward(variant):
     config, trainer, state, pure = random_state(variant)
     hf_config, tensors = to_hf(config, pure)
@@ -115,14 +118,14 @@ def test_logits_equal_an_independent_hf_forward(variant):
     assert np.abs(reference).max() > 1.0  # the comparison is not between near-zero numbers
 
 
-@pytest.mark.parametrize("variant", ["llama", "mixtral", "qwen3"])
+@pytest.mark.parametrize("variant", ["llama", "mixtral", "qwen3", "qwen2"])
 @pytest.mark.parametrize("shard_bytes", [None, 60_000], ids=["single", "sharded"])
 def test_round_trip_through_files_is_exact(variant, shard_bytes, tmp_path):
     config, _, _, pure = random_state(variant)
     hf_config, tensors = to_hf(config, pure)
     assert hf_config["architectures"] == [{"mixtral": "MixtralForCausalLM", "llama":
-                                           "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}[
-                                               variant]]
+                                           "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                                           "qwen2": "Qwen2ForCausalLM"}[variant]]
     assert tensors["model.layers.1.self_attn.q_proj.weight"].shape == (
         config.model.num_heads * config.model.resolved_head_dim, 64)
     save_hf_dir(tmp_path, hf_config, tensors, max_shard_bytes=shard_bytes)

@@ -97,12 +97,14 @@ class Attention(nnx.Module):
         self.wk = param(rngs, init, (d, g, k), ("embed", "kv_heads", "head_dim"), pd)
         self.wv = param(rngs, init, (d, g, k), ("embed", "kv_heads", "head_dim"), pd)
         self.wo = param(rngs, out_init, (h, k, d), ("heads", "head_dim", "embed"), pd)
-        self.use_bias = cfg.type == "gpt2"
-        if self.use_bias:
-            zeros = nnx.initializers.zeros
+        # GPT-2 biases every projection; Qwen2 (model.qkv_bias) only q, k and v.
+        self.use_bias, self.qkv_bias = cfg.type == "gpt2", cfg.type == "gpt2" or cfg.qkv_bias
+        zeros = nnx.initializers.zeros
+        if self.qkv_bias:
             self.bq = param(rngs, zeros, (h, k), ("heads", "head_dim"), pd)
             self.bk = param(rngs, zeros, (g, k), ("kv_heads", "head_dim"), pd)
             self.bv = param(rngs, zeros, (g, k), ("kv_heads", "head_dim"), pd)
+        if self.use_bias:
             self.bo = param(rngs, zeros, (d,), ("embed",), pd)
         if cfg.qk_norm:  # Qwen3: RMSNorm of each head's query and key, one scale per head dim
             ones = nnx.initializers.ones
@@ -115,7 +117,7 @@ class Attention(nnx.Module):
         q_BxLxHxK = jnp.einsum("bld,dhk->blhk", x_BxLxD, self.wq[...].astype(dt))
         k_BxLxGxK = jnp.einsum("bld,dgk->blgk", x_BxLxD, self.wk[...].astype(dt))
         v_BxLxGxK = jnp.einsum("bld,dgk->blgk", x_BxLxD, self.wv[...].astype(dt))
-        if self.use_bias:
+        if self.qkv_bias:
             q_BxLxHxK += self.bq[...].astype(dt)
             k_BxLxGxK += self.bk[...].astype(dt)
             v_BxLxGxK += self.bv[...].astype(dt)
