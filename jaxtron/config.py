@@ -221,6 +221,10 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class OptimConfig:
+    name: str = _f("adamw", "adamw, or muon: Newton-Schulz orthogonalised momentum for the "
+                   "hidden matrices and Adam for the rest (jaxtron/muon.py)", ("adamw", "muon"))
+    muon_momentum: float = _f(0.95, "muon: Nesterov momentum of the matrix updates")
+    muon_ns_steps: int = _f(5, "muon: Newton-Schulz iterations per update")
     lr: float = _f(3e-3, "peak learning rate")
     min_lr_ratio: float = _f(0.1, "final learning rate as a fraction of lr (the floor of every "
                              "schedule but constant)")

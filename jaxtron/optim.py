@@ -20,6 +20,7 @@ import optax
 from flax import nnx
 
 from jaxtron.config import Config
+from jaxtron.muon import muon_directions
 from jaxtron.schedules import learning_rate
 from jaxtron.sharding.rules import logical_names
 
@@ -56,9 +57,16 @@ def moments_stored_as(inner: optax.GradientTransformation,
 
 def build_optimizer(config: Config) -> optax.GradientTransformation:
     o = config.optim
-    adamw = moments_stored_as(
-        optax.adamw(learning_rate(config), b1=o.b1, b2=o.b2, eps=o.eps,
-                    weight_decay=o.weight_decay, mask=decay_mask), o.moment_dtype)
+    if o.name == "muon":  # Muon for hidden matrices, Adam for the rest (jaxtron/muon.py)
+        directions = muon_directions(momentum=o.muon_momentum, ns_steps=o.muon_ns_steps,
+                                     b1=o.b1, b2=o.b2, eps=o.eps)
+        inner = optax.chain(directions,
+                            optax.add_decayed_weights(o.weight_decay, mask=decay_mask),
+                            optax.scale_by_learning_rate(learning_rate(config)))
+    else:
+        inner = optax.adamw(learning_rate(config), b1=o.b1, b2=o.b2, eps=o.eps,
+                            weight_decay=o.weight_decay, mask=decay_mask)
+    adamw = moments_stored_as(inner, o.moment_dtype)
     tx = optax.chain(optax.clip_by_global_norm(o.grad_clip), adamw) if o.grad_clip > 0 else adamw
     # A non-finite gradient never reaches the parameters: the update is skipped and counted
     # (train.on_nan=stop then ends the run; skip carries on).

@@ -123,6 +123,8 @@ def variable_shardings(tree, rules: Rules, mesh: Mesh):
 
     def one(leaf):
         if isinstance(leaf, nnx.Variable):
+            if not hasattr(leaf.get_value(), "shape"):  # a masked-out entry (optax.partition)
+                return leaf
             spec = spec_for(logical_names(leaf), rules, mesh, leaf.shape)
             return leaf.replace(NamedSharding(mesh, spec))
         return NamedSharding(mesh, PartitionSpec())
