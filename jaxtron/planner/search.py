@@ -4,9 +4,10 @@ The search covers every factorisation of the devices into stage x data x fsdp x 
 sequence x tensor (tensor within one node and dividing the heads, MLP and vocabulary; expert
 dividing the experts; sequence only for sequences of 4k tokens or more), sequence parallelism
 with tensor > 1, ZeRO 0/1/2 with data > 1, remat none/save_dots/full, pipeline microbatches
-from p to 8p with 1F1B, GPipe and interleaved (2 chunks) schedules, and gradient accumulation
-to bring the microbatch down (to one sequence) when nothing else fits. Each candidate passes the same checks a
-run does (`config.validate` and `trainer.check_layout`) before it is shown.
+p, 2p, 4p, 8p (and the smallest count >= p dividing the batch; multiples of p when
+interleaved) with 1F1B, GPipe and interleaved (2 chunks) schedules, and gradient accumulation to bring the microbatch down
+(to one sequence) when nothing else fits. Each candidate passes the same checks a run does
+(`config.validate` and `trainer.check_layout`) before it is shown.
 """
 
 from __future__ import annotations
@@ -47,9 +48,11 @@ def _meshes(config: Config, devices: int, node_size: int):
                 continue
             rest = devices // tensor // stage
             for sequence in divisors(rest):
+                # Inside pipeline stages context parallelism gathers k/v instead of the
+                # ring, whose memory and traffic the predictions do not model.
                 if sequence > 1 and (config.data.seq_len < 4096
                                      or config.data.seq_len % (2 * sequence)
-                                     or config.moe.enabled):
+                                     or config.moe.enabled or stage > 1):
                     continue
                 for expert in divisors(rest // sequence):
                     if expert > 1 and (not config.moe.enabled
@@ -70,6 +73,17 @@ def _accumulations(sequences: int) -> list[int]:
     return steps + ([sequences] if sequences and sequences not in steps else [])
 
 
+def _microbatch_counts(per_replica: int, stages: int) -> list[int]:
+    """Pipeline microbatch counts to try: p, 2p, 4p, 8p where they divide the replica's batch,
+    and the smallest count from p up that does (1F1B needs m >= p, not a multiple of it), so a
+    batch like 15 x 2^k still gets a pipeline."""
+    counts = [stages * f for f in (1, 2, 4, 8) if per_replica % (stages * f) == 0]
+    smallest = next((d for d in divisors(per_replica) if d >= stages), None)
+    if smallest is not None and smallest <= 8 * stages and smallest not in counts:
+        counts.insert(0, smallest)
+    return counts
+
+
 def _variants(config: Config, mesh: Layout):
     batch = config.train.batch_size
     if batch % mesh.batch_split:
@@ -80,12 +94,9 @@ def _variants(config: Config, mesh: Layout):
     pipelines = [(1, "1f1b", 1)]
     if mesh.stage > 1:
         pipelines = []
-        for factor in (1, 2, 4, 8):
-            mb = mesh.stage * factor
-            if per_replica % mb:
-                continue
+        for mb in _microbatch_counts(per_replica, mesh.stage):
             pipelines += [(mb, "1f1b", 1), (mb, "gpipe", 1)]
-            if config.model.num_layers >= 2 * mesh.stage:
+            if config.model.num_layers >= 2 * mesh.stage and mb % mesh.stage == 0:
                 pipelines.append((mb, "interleaved", 2))
     for sp, zero, remat, (mb, schedule, virtual) in itertools.product(sps, zeros, REMATS,
                                                                      pipelines):
