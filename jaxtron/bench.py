@@ -15,6 +15,10 @@ each closed by one `block_until_ready`, and the median window gives the step tim
 - Overhead: on one device, the jaxtron step against `jaxtron.plain_llama`, the same model written
   as a minimal plain-JAX step; their ratio is what the framework costs (Llama models only).
 
+`--compare-fp8` also times the same step with `model.fp8: tensorwise` and with `none`, side
+by side in this run, and prints their step-time ratio (on CPU XLA emulates fp8 in wider types,
+so the ratio there measures the quantisation's overhead, not fp8 tensor cores).
+
 `--json` prints one JSON object with every number as the last line.
 """
 
@@ -142,6 +146,16 @@ def run(config: config_lib.Config, warmup: int = 3, steps: int = 5, repeats: int
     return report
 
 
+def compare_fp8(config: config_lib.Config, warmup: int, steps: int, repeats: int) -> dict:
+    """Step time with and without fp8 matmuls, measured one after the other in this run."""
+    devices, times = jax.devices(), {}
+    for mode in ("none", "tensorwise"):
+        variant = config_lib.from_dict(config_lib.to_dict(config), [f"model.fp8={mode}"])
+        times[mode] = bench_jaxtron(variant, devices, warmup, steps, repeats)["step_s"]
+    return {"step_s_no_fp8": times["none"], "step_s_fp8": times["tensorwise"],
+            "fp8_step_time_ratio": times["tensorwise"] / times["none"]}
+
+
 def format_report(r: dict) -> str:
     mib = 2 ** 20
     lines = [f"mesh {r['mesh']}; peak {r['peak_flops'] / 1e12:.3f} TFLOP/s ({r['peak_source']})",
@@ -157,6 +171,10 @@ def format_report(r: dict) -> str:
                      f"{r['overhead_ratio']:.3f}")
     else:
         lines.append("one device: no plain-JAX reference for this model (Llama dense only)")
+    if r.get("fp8_step_time_ratio") is not None:
+        lines.append(f"fp8 (tensorwise) step {1e3 * r['step_s_fp8']:.1f} ms vs "
+                     f"{1e3 * r['step_s_no_fp8']:.1f} ms without: ratio "
+                     f"{r['fp8_step_time_ratio']:.3f}")
     return "\n".join(lines)
 
 
@@ -171,11 +189,15 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="timed windows (median)")
     parser.add_argument("--no-reference", action="store_true",
                         help="skip the one-device plain-JAX comparison")
+    parser.add_argument("--compare-fp8", action="store_true",
+                        help="also time the step with model.fp8=tensorwise and none")
     parser.add_argument("--json", action="store_true", help="last line: one JSON object")
     args = parser.parse_args(argv)
     keep_freed_host_memory()  # before JAX starts its threads
     config = config_lib.load(args.config, args.overrides)
     report = run(config, args.warmup, args.steps, args.repeats, not args.no_reference)
+    if args.compare_fp8:
+        report.update(compare_fp8(config, args.warmup, args.steps, args.repeats))
     print(format_report(report), flush=True)
     if args.json:
         print(json.dumps(report))

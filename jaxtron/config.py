@@ -49,6 +49,10 @@ class ModelConfig:
     mlp_dim: int = _f(512, "hidden width of the feed-forward block")
     vocab_size: int = _f(256, "embedding rows; must cover the data's tokenizer")
     max_seq_len: int = _f(2048, "longest sequence the position encoding supports")
+    fp8: str = _f("none", "matmuls of the projections, MLPs and (capacity-mode) experts in "
+                  "fp8: tensorwise = e4m3 forward, e5m2 gradients, per-tensor current scales "
+                  "(jaxtron/kernels/fp8.py); embedding, head and attention stay",
+                  ("none", "tensorwise"))
     qkv_bias: bool = _f(False, "biases on the query, key and value projections of a llama "
                         "(Qwen2)")
     tie_embeddings: bool | None = _f(None, "output head = the embedding table transposed "

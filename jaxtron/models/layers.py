@@ -13,6 +13,7 @@ from flax import nnx
 
 from jaxtron.config import ModelConfig
 from jaxtron.kernels import attention
+from jaxtron.kernels.fp8 import einsum
 from jaxtron.models import rope
 from jaxtron.models.activations import gelu_tanh, swiglu
 from jaxtron.models.token_layout import PLAIN, TokenLayout
@@ -114,9 +115,9 @@ class Attention(nnx.Module):
     def project_qkv(self, x_BxLxD, positions):
         """q_BxLxHxK, k/v_BxLxGxK with biases, QK-norm and rotary positions applied."""
         cfg, dt = self.cfg, x_BxLxD.dtype
-        q_BxLxHxK = jnp.einsum("bld,dhk->blhk", x_BxLxD, self.wq[...].astype(dt))
-        k_BxLxGxK = jnp.einsum("bld,dgk->blgk", x_BxLxD, self.wk[...].astype(dt))
-        v_BxLxGxK = jnp.einsum("bld,dgk->blgk", x_BxLxD, self.wv[...].astype(dt))
+        q_BxLxHxK = einsum("bld,dhk->blhk", x_BxLxD, self.wq[...].astype(dt), cfg.fp8)
+        k_BxLxGxK = einsum("bld,dgk->blgk", x_BxLxD, self.wk[...].astype(dt), cfg.fp8)
+        v_BxLxGxK = einsum("bld,dgk->blgk", x_BxLxD, self.wv[...].astype(dt), cfg.fp8)
         if self.qkv_bias:
             q_BxLxHxK += self.bq[...].astype(dt)
             k_BxLxGxK += self.bk[...].astype(dt)
@@ -131,7 +132,8 @@ class Attention(nnx.Module):
 
     def project_out(self, out_BxLxHxK):
         dt = out_BxLxHxK.dtype
-        out_BxLxD = jnp.einsum("blhk,hkd->bld", out_BxLxHxK, self.wo[...].astype(dt))
+        out_BxLxD = einsum("blhk,hkd->bld", out_BxLxHxK, self.wo[...].astype(dt),
+                           self.cfg.fp8)
         if self.use_bias:
             out_BxLxD += self.bo[...].astype(dt)
         return out_BxLxD
@@ -156,6 +158,7 @@ class MLP(nnx.Module):
         d, f, pd = cfg.d_model, cfg.mlp_dim, cfg.param_dtype
         init = normal(cfg.init_std)
         out_init = normal(cfg.init_std / (2 * cfg.num_layers) ** 0.5)
+        self.fp8 = cfg.fp8
         self.gated = cfg.type == "llama"
         if self.gated:
             self.w_gate = param(rngs, init, (d, f), ("embed", "mlp"), pd)
@@ -171,10 +174,11 @@ class MLP(nnx.Module):
     def __call__(self, x_BxLxD):
         dt = x_BxLxD.dtype
         if self.gated:
-            gate_BxLxF = x_BxLxD @ self.w_gate[...].astype(dt)
-            up_BxLxF = x_BxLxD @ self.w_up[...].astype(dt)
+            fp8 = self.fp8
+            gate_BxLxF = einsum("bld,df->blf", x_BxLxD, self.w_gate[...].astype(dt), fp8)
+            up_BxLxF = einsum("bld,df->blf", x_BxLxD, self.w_up[...].astype(dt), fp8)
             h_BxLxF = constrain(swiglu(gate_BxLxF, up_BxLxF), ("batch", "seq", "mlp"))
-            return h_BxLxF @ self.w_down[...].astype(dt)
+            return einsum("blf,fd->bld", h_BxLxF, self.w_down[...].astype(dt), fp8)
         h_BxLxF = x_BxLxD @ self.w_in[...].astype(dt) + self.b_in[...].astype(dt)
         h_BxLxF = constrain(gelu_tanh(h_BxLxF), ("batch", "seq", "mlp"))
         return h_BxLxF @ self.w_out[...].astype(dt) + self.b_out[...].astype(dt)

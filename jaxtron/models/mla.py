@@ -38,6 +38,7 @@ from flax import nnx
 
 from jaxtron.config import ModelConfig
 from jaxtron.kernels import attention
+from jaxtron.kernels.fp8 import einsum
 from jaxtron.models import rope
 from jaxtron.models.layers import normal, param, rotary
 from jaxtron.models.token_layout import PLAIN, TokenLayout
@@ -83,17 +84,18 @@ class MLAttention(nnx.Module):
         (the rotated key part every head shares)."""
         cfg, dt = self.cfg, x_BxLxD.dtype
         if self.q_lora:
-            cq_BxLxQ = jnp.einsum("bld,dq->blq", x_BxLxD, self.wq_down[...].astype(dt))
+            cq_BxLxQ = einsum("bld,dq->blq", x_BxLxD, self.wq_down[...].astype(dt), cfg.fp8)
             cq_BxLxQ = rms_norm(cq_BxLxQ, self.q_norm[...], cfg.norm_eps)
-            q_BxLxHxK = jnp.einsum("blq,qhk->blhk", cq_BxLxQ, self.wq_up[...].astype(dt))
+            q_BxLxHxK = einsum("blq,qhk->blhk", cq_BxLxQ, self.wq_up[...].astype(dt),
+                               cfg.fp8)
         else:
-            q_BxLxHxK = jnp.einsum("bld,dhk->blhk", x_BxLxD, self.wq[...].astype(dt))
+            q_BxLxHxK = einsum("bld,dhk->blhk", x_BxLxD, self.wq[...].astype(dt), cfg.fp8)
         q_nope, q_pe = jnp.split(q_BxLxHxK, [cfg.qk_nope_head_dim], axis=-1)
         q_BxLxHxK = jnp.concatenate([q_nope, rotary(q_pe, positions, cfg)], axis=-1)
         softmax_factor = rope.latent_softmax_scale(cfg)
         if softmax_factor != 1.0:  # YaRN's softmax scale, carried by the queries
             q_BxLxHxK = q_BxLxHxK * jnp.asarray(softmax_factor, q_BxLxHxK.dtype)
-        ckv_BxLxCP = jnp.einsum("bld,dc->blc", x_BxLxD, self.wkv_down[...].astype(dt))
+        ckv_BxLxCP = einsum("bld,dc->blc", x_BxLxD, self.wkv_down[...].astype(dt), cfg.fp8)
         latent_BxLxC, p_BxLxP = jnp.split(ckv_BxLxCP, [cfg.kv_lora_rank], axis=-1)
         latent_BxLxC = rms_norm(latent_BxLxC, self.kv_norm[...], cfg.norm_eps)
         p_BxLxP = rotary(p_BxLxP[:, :, None, :], positions, cfg)[:, :, 0]
@@ -101,7 +103,7 @@ class MLAttention(nnx.Module):
 
     def project_out(self, out_BxLxHxV):
         dt = out_BxLxHxV.dtype
-        return jnp.einsum("blhv,hvd->bld", out_BxLxHxV, self.wo[...].astype(dt))
+        return einsum("blhv,hvd->bld", out_BxLxHxV, self.wo[...].astype(dt), self.cfg.fp8)
 
     def __call__(self, x_BxLxD, layout: TokenLayout = PLAIN):
         """As `Attention.__call__`: RoPE at the layout's positions, attention within its

@@ -247,7 +247,7 @@ class MoE(nnx.Module):
         x_padded = jnp.concatenate([x_BxLxD, jnp.zeros_like(x_BxLxD[:, :1])], axis=1)
         x_BxExCxD = jnp.take_along_axis(x_padded, token_of_slot[..., None], axis=1).reshape(
             b, e, slots, -1)
-        y_BxExCxD = expert_ffn(x_BxExCxD, *weights)
+        y_BxExCxD = expert_ffn(x_BxExCxD, *weights, fp8=self.cfg.fp8)
         y_flat = jnp.concatenate([y_BxExCxD.reshape(b, e * slots, -1),
                                   jnp.zeros_like(y_BxExCxD[:, 0, :1])], axis=1)
         y_BxLKxD = jnp.take_along_axis(y_flat, row_BxLK[..., None], axis=1)

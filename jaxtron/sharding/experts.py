@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from jaxtron.kernels.fp8 import einsum
 from jaxtron.models.activations import swiglu
 from jaxtron.sharding.rules import active_mesh, active_spec, manual_axes, shard_map_mesh
 
@@ -25,13 +26,13 @@ def expert_parallel_active() -> bool:
     return mesh is not None and mesh.shape.get(AXIS, 1) > 1
 
 
-def _swiglu_experts(x_BxExCxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD):
-    gate = jnp.einsum("becd,edf->becf", x_BxExCxD, w_gate_ExDxF)
-    up = jnp.einsum("becd,edf->becf", x_BxExCxD, w_up_ExDxF)
-    return jnp.einsum("becf,efd->becd", swiglu(gate, up), w_down_ExFxD)
+def _swiglu_experts(x_BxExCxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, fp8="none"):
+    gate = einsum("becd,edf->becf", x_BxExCxD, w_gate_ExDxF, fp8)
+    up = einsum("becd,edf->becf", x_BxExCxD, w_up_ExDxF, fp8)
+    return einsum("becf,efd->becd", swiglu(gate, up), w_down_ExFxD, fp8)
 
 
-def expert_ffn(x_BxExCxD, w_gate, w_up, w_down):
+def expert_ffn(x_BxExCxD, w_gate, w_up, w_down, fp8: str = "none"):
     """SwiGLU experts applied to their dispatched slots; all-to-all under expert parallelism.
 
     Every batch axis (data, fsdp, expert) is manual in the shard_map, so each device starts from
@@ -41,11 +42,11 @@ def expert_ffn(x_BxExCxD, w_gate, w_up, w_down):
     all-to-all on data=2 x expert=4 (planner.validate's model).
     """
     if not expert_parallel_active():
-        return _swiglu_experts(x_BxExCxD, w_gate, w_up, w_down)
+        return _swiglu_experts(x_BxExCxD, w_gate, w_up, w_down, fp8)
 
     def exchange(x, w_gate, w_up, w_down):
         x = jax.lax.all_to_all(x, AXIS, split_axis=1, concat_axis=0, tiled=True)
-        y = _swiglu_experts(x, w_gate, w_up, w_down)
+        y = _swiglu_experts(x, w_gate, w_up, w_down, fp8)
         return jax.lax.all_to_all(y, AXIS, split_axis=0, concat_axis=1, tiled=True)
 
     mesh = active_mesh()
