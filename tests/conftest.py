@@ -62,6 +62,21 @@ def make_config(overrides: dict | None = None, model: dict | None = None, **sect
     return config_lib.from_dict(raw, [f"{k}={v}" for k, v in (overrides or {}).items()])
 
 
+def first_batch_objective_metrics_grads(config, devices: int):
+    """(objective, metrics, gradients in the model layout) of the config's first training
+    batch on the first `devices` devices: what layout-equivalence tests compare."""
+    from jaxtron.data.pipeline import open_dataset, train_batches
+    from jaxtron.trainer import Trainer
+
+    trainer = Trainer(config, devices=jax.devices()[:devices])
+    state = trainer.init_state()
+    batch = trainer.put_batch(next(train_batches(config, open_dataset(config))))
+    with trainer._tracing():
+        (objective, metrics), grads = trainer._grads(state.params, batch)
+    return (float(objective), jax.device_get(metrics),
+            jax.device_get(trainer.to_model_params(grads)))
+
+
 def metric_records(run_dir) -> list[dict]:
     """The records a training run appended to <run_dir>/metrics.jsonl, in order."""
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -6,13 +6,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxtron.data.pipeline import open_dataset, train_batches
 from jaxtron.errors import ConfigError
 from jaxtron.models import Transformer
 from jaxtron.models.token_layout import PLAIN
 from jaxtron.trainer import Trainer
 
-from conftest import make_config
+from conftest import first_batch_objective_metrics_grads, make_config
 
 
 def cut_losses(model, tokens):
@@ -69,13 +68,7 @@ def objective_metrics_grads(mesh, devices, pipeline=None, optim=None):
     config = make_config(model={"mtp_depth": 2, "num_layers": 4}, mesh=mesh,
                          pipeline=pipeline or {}, optim=optim or {},
                          data={"packing": "documents", "eod_mask_loss": True})
-    trainer = Trainer(config, devices=jax.devices()[:devices])
-    state = trainer.init_state()
-    batch = trainer.put_batch(next(train_batches(config, open_dataset(config))))
-    with trainer._tracing():
-        (objective, metrics), grads = trainer._grads(state.params, batch)
-    return (float(objective), jax.device_get(metrics),
-            jax.device_get(trainer.to_model_params(grads)))
+    return first_batch_objective_metrics_grads(config, devices)
 
 
 @pytest.mark.parametrize("mesh,pipeline", [

@@ -12,7 +12,7 @@ import pytest
 from jaxtron.data.pipeline import open_dataset, train_batches
 from jaxtron.trainer import Trainer
 
-from conftest import make_config
+from conftest import first_batch_objective_metrics_grads, make_config
 
 MOE = {"num_experts": 4, "top_k": 2}
 
@@ -20,13 +20,7 @@ MOE = {"num_experts": 4, "top_k": 2}
 def objective_metrics_grads(mesh, *, moe, pipeline=None, optim=None, layers=4, devices=1):
     config = make_config(mesh=mesh, moe={**MOE, **moe}, pipeline=pipeline or {},
                          optim=optim or {}, model={"num_layers": layers})
-    trainer = Trainer(config, devices=jax.devices()[:devices])
-    state = trainer.init_state()
-    batch = trainer.put_batch(next(train_batches(config, open_dataset(config))))
-    with trainer._tracing():
-        (objective, metrics), grads = trainer._grads(state.params, batch)
-    return (float(objective), jax.device_get(metrics),
-            jax.device_get(trainer.to_model_params(grads)))
+    return first_batch_objective_metrics_grads(config, devices)
 
 
 CASES = {
