@@ -170,10 +170,14 @@ class MoEConfig:
     def enabled(self) -> bool:
         return self.num_experts > 0
 
+    @property
+    def dense_prefix(self) -> int:
+        """Dense blocks in their own stack before the repeated one (an MoE model's only)."""
+        return self.first_dense_layers if self.enabled else 0
+
     def stacked_layers(self, num_layers: int) -> int:
-        """Blocks in the repeated stack: all of them, less the dense ones in front of an MoE
-        model's."""
-        return num_layers - (self.first_dense_layers if self.enabled else 0)
+        """Blocks in the repeated stack: all of them, less the dense prefix."""
+        return num_layers - self.dense_prefix
 
 
 @dataclass(frozen=True)

@@ -245,7 +245,7 @@ def _validate_pipeline(c: Config) -> None:
                f"pipeline.layers_per_stage={list(counts)} must list {n_virtual} positive layer "
                f"counts (mesh.stage x pipeline.virtual_stages) summing to model.num_layers="
                f"{c.model.num_layers}.")
-        dense = c.model.num_layers - c.moe.stacked_layers(c.model.num_layers)
+        dense = c.moe.dense_prefix
         _check(counts[0] - dense >= every and all(
             count % every == 0 for count in (counts[0] - dense, *counts[1:])),
                f"pipeline.layers_per_stage={list(counts)} must be multiples of moe.every="

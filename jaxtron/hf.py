@@ -272,7 +272,7 @@ def _dims(config: Config, arch: str) -> dict:
             "arch": arch, "qk_norm": m.qk_norm,
             "shared": moe.shared_experts * f if moe.enabled else 0,
             "bias": moe.enabled and moe.bias_update_rate > 0,
-            "first_dense": moe.first_dense_layers if moe.enabled else 0, "dense_F": m.mlp_dim,
+            "first_dense": moe.dense_prefix, "dense_F": m.mlp_dim,
             "tied": m.tied_embeddings, "qkv_bias": m.qkv_bias}
     if m.attention == "mla":
         dims["mla"] = {"Q": m.q_lora_rank or 0, "C": m.kv_lora_rank, "Kn": m.qk_nope_head_dim,

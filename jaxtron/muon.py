@@ -28,7 +28,6 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 from optax.contrib import MuonDimensionNumbers, scale_by_muon
-from optax.transforms import _masking
 
 from jaxtron.sharding.rules import logical_names
 
@@ -61,7 +60,7 @@ def labels(params):
 def _dimensions(updates):
     """The dimension numbers of the muon partition's leaves (others stay masked)."""
     def one(variable):
-        if isinstance(variable.get_value(), _masking.MaskedNode):
+        if isinstance(variable.get_value(), optax.MaskedNode):
             return variable
         return variable.replace(matrix_dimensions(variable))
     return jax.tree.map(one, updates, is_leaf=_is_variable)
@@ -71,7 +70,7 @@ def _consistent_rms() -> optax.GradientTransformation:
     def update(updates, state, params=None):
         def scale(variable):
             value = variable.get_value()
-            if isinstance(value, _masking.MaskedNode):
+            if isinstance(value, optax.MaskedNode):
                 return variable
             dims = matrix_dimensions(variable)
             fan_in = math.prod(value.shape[a] for a in dims.reduction_axis)

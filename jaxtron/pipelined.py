@@ -39,6 +39,11 @@ def _is_variable(x) -> bool:
     return isinstance(x, nnx.Variable)
 
 
+def _token_layout(tree: dict) -> TokenLayout:
+    """A microbatch's positions and segment ids (absent for plain rows) as the model takes them."""
+    return TokenLayout(positions=tree.get("positions"), segment_ids=tree.get("segment_ids"))
+
+
 class PipelinedTransformer:
     def __init__(self, config: Config, mesh):
         c = config
@@ -49,7 +54,7 @@ class PipelinedTransformer:
         every = c.moe.every if c.moe.enabled else 1
         # Dense blocks in front of an MoE model's stack run on the first stage, after the
         # embedding: `layers_per_stage[0]` counts them.
-        dense = c.model.num_layers - c.moe.stacked_layers(c.model.num_layers)
+        dense = c.moe.dense_prefix
         counts = c.pipeline.layers_per_stage
         if counts is not None:
             counts = (counts[0] - dense, *counts[1:])
@@ -159,15 +164,13 @@ class PipelinedTransformer:
                                                          inputs.get("positions"))
         if "dense_blocks" not in first:
             return x_BxLxD
-        layout = TokenLayout(positions=inputs.get("positions"),
-                             segment_ids=inputs.get("segment_ids"))
+        layout = _token_layout(inputs)
         return run_blocks(self.config.model, self.dense_def,
                           self._whole(first["dense_blocks"], "dense_blocks"), x_BxLxD,
                           layout=layout)[0]
 
     def _stage(self, chunk_params, active_L, x_BxLxD, inputs):
-        layout = TokenLayout(positions=inputs.get("positions"),
-                             segment_ids=inputs.get("segment_ids"))
+        layout = _token_layout(inputs)
         x_BxLxD, stats = run_blocks(self.config.model, self.blocks_def, chunk_params, x_BxLxD,
                                     active_L, layout)
         if not self.config.moe.enabled:
@@ -188,16 +191,12 @@ class PipelinedTransformer:
         loss = head.loss(x_BxLxD, targets["targets"], head_table, weights)
         if not m.mtp_depth:
             return loss, {"objective": jnp.zeros((), jnp.float32)}
-        embedder = nnx.merge(self.embedder_def, self._whole(
-            nnx.State({**dict(shared.items())}), "embedder"))
+        embedder = nnx.merge(self.embedder_def, self._whole(shared, "embedder"))
         mtp = nnx.merge(self.mtp_def, self._whole(last["mtp"], "mtp"))
-        layout = TokenLayout(positions=targets.get("positions"),
-                             segment_ids=targets.get("segment_ids"))
-        depth_losses = mtp.losses(
+        mtp_loss = mtp.mean_loss(
             x_BxLxD, targets["tokens"], targets["targets"], embed=embedder,
-            head_loss=lambda h, t, w: head.loss(h, t, head_table, w), layout=layout,
-            weights_BxL=weights)
-        mtp_loss = (sum(depth_losses) / len(depth_losses)).astype(jnp.float32)
+            head_loss=lambda h, t, w: head.loss(h, t, head_table, w),
+            layout=_token_layout(targets), weights_BxL=weights)
         return loss, {"objective": m.mtp_loss_coef * mtp_loss, "mtp_loss": mtp_loss}
 
     # -- loss and gradients ------------------------------------------------------------------

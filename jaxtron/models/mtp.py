@@ -48,10 +48,11 @@ class MultiTokenPrediction(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         self.modules = nnx.List([MTPModule(cfg, rngs) for _ in range(cfg.mtp_depth)])
 
-    def losses(self, h_BxLxD, inputs_BxL, targets_BxL, embed, head_loss,
-               layout: TokenLayout, weights_BxL=None) -> list:
-        """Mean loss of each depth. `embed(tokens_BxL)` is the model's embedding and
-        `head_loss(h, targets, weights)` its head's weighted mean loss over B x L."""
+    def mean_loss(self, h_BxLxD, inputs_BxL, targets_BxL, embed, head_loss,
+                  layout: TokenLayout, weights_BxL=None):
+        """The mean over depths of each depth's mean loss, in fp32. `embed(tokens_BxL)` is the
+        model's embedding and `head_loss(h, targets, weights)` its head's weighted mean loss
+        over B x L."""
         length = inputs_BxL.shape[1]
         # Each position's index in the row's natural order (context parallelism permutes the
         # row): "k tokens ahead" means k ahead in that order, found by a gather of [B, L] ids.
@@ -72,4 +73,4 @@ class MultiTokenPrediction(nnx.Module):
             else:
                 weights = ahead(weights_BxL) * valid
             losses.append(head_loss(h_BxLxD, ahead(targets_BxL), weights))
-        return losses
+        return (sum(losses) / len(losses)).astype(jnp.float32)

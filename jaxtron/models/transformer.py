@@ -186,12 +186,11 @@ class Transformer(nnx.Module):
         table = self.embedder.embed[...]
         loss = self.head.loss(x_BxLxD, targets_BxL, table, weights_BxL)
         if self.cfg.mtp_depth:
-            depth_losses = self.mtp.losses(
+            aux = dict(aux)
+            aux["mtp_loss"] = self.mtp.mean_loss(
                 x_BxLxD, tokens_BxL, targets_BxL, embed=self.embedder,
                 head_loss=lambda h, t, w: self.head.loss(h, t, table, w),
                 layout=layout, weights_BxL=weights_BxL)
-            aux = dict(aux)
-            aux["mtp_loss"] = sum(depth_losses) / len(depth_losses)
             aux["weighted_terms"] = [*aux.get("weighted_terms", []),
                                      self.cfg.mtp_loss_coef * aux["mtp_loss"]]
         return loss, aux
