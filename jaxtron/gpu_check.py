@@ -106,11 +106,19 @@ def run_training(env: dict) -> dict:
 
 
 def environment() -> dict:
+    from importlib import metadata
+
     import jax
 
     devices = jax.devices()
+    versions = {}
+    for package in ("jaxlib", "flax", "optax", "orbax-checkpoint", "grain"):
+        try:
+            versions[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            versions[package] = None
     return {"device": devices[0].device_kind, "platform": devices[0].platform,
-            "device_count": len(devices), "jax": jax.__version__,
+            "device_count": len(devices), "jax": jax.__version__, "versions": versions,
             "python": host.python_version(), "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
 

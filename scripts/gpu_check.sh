@@ -3,8 +3,13 @@
 # .venv-gpu (once), then runs the GPU tests, the attention kernel benchmark and the training
 # benchmark, writing every result to gpu_check.json (about 7 minutes on one GPU).
 #   scripts/gpu_check.sh [--out FILE] [--parts tests,kernels,training]
+# GPU_PYTHON=python3 scripts/gpu_check.sh uses an interpreter that already has JAX with CUDA
+# (a machine with no package index) instead of building the venv.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if [ -n "${GPU_PYTHON:-}" ]; then
+  exec "$GPU_PYTHON" -m jaxtron.gpu_check "$@"
+fi
 PYTHON=${PYTHON:-python3}
 VENV=${VENV:-.venv-gpu}
 if [ ! -f "$VENV/.jaxtron-gpu-installed" ]; then
