@@ -32,6 +32,13 @@ narrower side with zeros to the wider one and slices the output back (zero value
 zero output columns; zero query/key columns leave the scores alone, q scaled so that the
 softmax keeps 1/sqrt(K)). The padding costs the kernel (K - V) / K more value traffic.
 
+Sliding-window attention (`window` w, `model.sliding_window`; causal only): query i sees the
+w keys i - w < j <= i, itself included, as Mistral and Hugging Face's `sliding_window` do
+(bottom-right aligned when L != S). Every kernel takes it: XLA (blockwise) and Triton skip the
+key blocks below the band, splash takes it as a LocalMask, cuDNN as `local_window_size`
+(w - 1, 0), ring attention masks on true positions and skips ring steps outside the band. A
+window of at least the key length is full causal attention and runs as such.
+
 When the step is traced on a mesh with a `sequence` axis (context parallelism), every
 implementation runs as ring attention, told by `sharding.zigzag.zigzag_ring()` whether the
 train step has put the sequence in its zig-zag order already. On other meshes the Pallas
@@ -130,10 +137,17 @@ def configured_kernel(config, platform: str, cudnn_here: bool = True) -> Kernel:
                       segments=config.data.packing == "documents")
 
 
-def attention(q, k, v, *, causal: bool = True, segment_ids=None, impl="auto"):
+def attention(q, k, v, *, causal: bool = True, segment_ids=None, impl="auto",
+              window: int | None = None):
     """q_BxLxHxK, k_BxSxGxK, v_BxSxGxK' -> out_BxLxHxK' (G divides H: grouped-query attention;
-    K' = K except in multi-head latent attention)."""
+    K' = K except in multi-head latent attention). `window`: see the module doc."""
     impl = AttentionImpl(impl)
+    if window is not None:
+        if not causal or window < 1:
+            raise ValueError(f"a sliding window needs causal attention and at least one key; "
+                             f"got window={window}, causal={causal}.")
+        if window >= k.shape[1]:  # every key within reach: plain causal attention
+            window = None
     mesh = active_mesh()
     ring = mesh.shape.get("sequence", 1) if mesh is not None else 1
     ordered_for = zigzag_ring()  # a train step's sequence already in zig-zag order, for a ring
@@ -145,7 +159,7 @@ def attention(q, k, v, *, causal: bool = True, segment_ids=None, impl="auto"):
         # deadlock XLA:CPU's conditional ticks: gather k/v instead (context_gather.py).
         cp = gathered_context_attention if "stage" in manual_axes() else ring_attention
         return cp(q, k, v, mesh=mesh, causal=causal, zigzag=ordered_for == ring,
-                  segment_ids=segment_ids)
+                  segment_ids=segment_ids, window=window)
     # JAX's cuDNN mask is top-left aligned; with fewer queries than keys every other kernel
     # aligns bottom-right, so such calls do not go to cuDNN (as with packed segments).
     unaligned = causal and q.shape[1] != k.shape[1]
@@ -153,12 +167,13 @@ def attention(q, k, v, *, causal: bool = True, segment_ids=None, impl="auto"):
                                head_dim=max(q.shape[-1], v.shape[-1]),
                                segments=segment_ids is not None or unaligned,
                                cudnn_here=cudnn_present())
+    run = functools.partial(_run, causal=causal, mesh=mesh, window=window)
     if impl is AttentionImpl.CUDNN:
-        return _run(choose("cuda"), q, k, v, segment_ids, causal=causal, mesh=mesh)
+        return run(choose("cuda"), q, k, v, segment_ids)
     if target_platform() is not None:
-        return _run(choose(target_platform()), q, k, v, segment_ids, causal=causal, mesh=mesh)
+        return run(choose(target_platform()), q, k, v, segment_ids)
     kernels = {platform: choose(platform) for platform in PLATFORMS}
-    branches = {kernel: functools.partial(_run, kernel, causal=causal, mesh=mesh)
+    branches = {kernel: functools.partial(run, kernel)
                 for kernel in set(kernels.values()) | {Kernel.XLA}}
     if len(set(kernels.values())) == 1:
         return branches[kernels["cpu"]](q, k, v, segment_ids)
@@ -169,28 +184,32 @@ def attention(q, k, v, *, causal: bool = True, segment_ids=None, impl="auto"):
                                   **per_platform)
 
 
-def _run(kernel: Kernel, q, k, v, segment_ids, *, causal: bool, mesh):
+def _run(kernel: Kernel, q, k, v, segment_ids, *, causal: bool, mesh, window=None):
     if kernel is Kernel.XLA:
         if causal and q.shape[1] == k.shape[1]:
-            return blockwise_causal_attention(q, k, v, segment_ids=segment_ids)
-        return reference_attention(q, k, v, causal=causal, segment_ids=segment_ids)
+            return blockwise_causal_attention(q, k, v, segment_ids=segment_ids, window=window)
+        return reference_attention(q, k, v, causal=causal, segment_ids=segment_ids,
+                                   window=window)
     if q.shape[-1] != v.shape[-1]:
-        return _run_equal_dims(kernel, q, k, v, segment_ids, causal=causal, mesh=mesh)
-    if kernel is Kernel.CUDNN:
-        return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
+        return _run_equal_dims(kernel, q, k, v, segment_ids, causal=causal, mesh=mesh,
+                               window=window)
+    if kernel is Kernel.CUDNN:  # cuDNN's window (pos - (left + 1), pos]: left = w - 1
+        return jax.nn.dot_product_attention(
+            q, k, v, is_causal=causal, implementation="cudnn",
+            local_window_size=None if window is None else (window - 1, 0))
     pallas = {Kernel.TRITON: functools.partial(flash_attention, interpret=False),
               Kernel.INTERPRET: functools.partial(flash_attention, interpret=True),
               Kernel.SPLASH: splash_attention}[kernel]
 
     def local(q, k, v, segment_ids):
-        return pallas(q, k, v, causal=causal, segment_ids=segment_ids)
+        return pallas(q, k, v, causal=causal, segment_ids=segment_ids, window=window)
 
     if mesh is not None and any(size > 1 for size in mesh.shape.values()):
         return per_device(local, q, k, v, segment_ids, mesh)
     return local(q, k, v, segment_ids)
 
 
-def _run_equal_dims(kernel: Kernel, q, k, v, segment_ids, *, causal: bool, mesh):
+def _run_equal_dims(kernel: Kernel, q, k, v, segment_ids, *, causal: bool, mesh, window):
     """A one-head-dim kernel on q/k of width K and v of width V != K (see the module doc)."""
     k_dim, v_dim = q.shape[-1], v.shape[-1]
     width = max(k_dim, v_dim)
@@ -200,5 +219,6 @@ def _run_equal_dims(kernel: Kernel, q, k, v, segment_ids, *, causal: bool, mesh)
 
     if k_dim < width:  # the kernel scales by 1/sqrt(width): undo it on q
         q = q * jnp.asarray((width / k_dim) ** 0.5, q.dtype)
-    out = _run(kernel, pad(q), pad(k), pad(v), segment_ids, causal=causal, mesh=mesh)
+    out = _run(kernel, pad(q), pad(k), pad(v), segment_ids, causal=causal, mesh=mesh,
+               window=window)
     return out[..., :v_dim]

@@ -13,7 +13,9 @@ rendezvous of every device of the module, not of its pairs: devices of another s
 another branch, never arrive and the step deadlocks. All-gathers rendezvous within their
 replica groups (one stage's sequence ranks, which take the same branch), so inside a pipeline
 stage context parallelism gathers. The scores of a device's queries against every key,
-[B, H, L/n, L] in fp32, are its memory price.
+[B, H, L/n, L] in fp32, are its memory price. A sliding window (query i sees keys
+i - w < j <= i) is one more condition on the true positions, which the mask is built from
+already; the gathered keys are computed whole, band or not.
 """
 
 from __future__ import annotations
@@ -41,9 +43,13 @@ def _attend(q_BxLxHxK, k_BxSxGxK, v_BxSxGxV, visible_BxLxS):
 
 
 def gathered_context_attention(q, k, v, *, mesh: Mesh, causal: bool = True,
-                               zigzag: bool = False, segment_ids=None):
+                               zigzag: bool = False, segment_ids=None,
+                               window: int | None = None):
     """q_BxLxHxK, k/v_BxLxGxK sequence-sharded over `mesh`'s `sequence` axis, in natural order or
-    (`zigzag`) in ring attention's zig-zag order; segment_ids_BxL (or None) alike."""
+    (`zigzag`) in ring attention's zig-zag order; segment_ids_BxL (or None) alike. `window`
+    (causal only): query i sees keys i - window < j <= i."""
+    if window is not None and not causal:
+        raise ValueError(f"a sliding window (window={window}) needs causal attention.")
     n = mesh.shape[AXIS]
     length = q.shape[1]
     order = zigzag_order(length, n) if zigzag else jnp.arange(length)
@@ -59,6 +65,8 @@ def gathered_context_attention(q, k, v, *, mesh: Mesh, causal: bool = True,
         visible = segments[:, :, None] == segments_all[:, None, :]
         if causal:
             visible = visible & (positions_all[None, None, :] <= positions[None, :, None])
+        if window is not None:
+            visible = visible & (positions_all[None, None, :] > positions[None, :, None] - window)
         return _attend(q, k_all, v_all, visible)
 
     mapped = jax.shard_map(local, mesh=shard_map_mesh(mesh),

@@ -9,6 +9,8 @@ the backward (`flash_backward.py`) needs to rebuild the probabilities tile by ti
     so k and v are never repeated in memory (H = G * R).
   * Causal: a query block's key loop stops at its diagonal block, so the upper triangle is
     skipped, not computed and masked; only the diagonal tile is masked.
+  * Sliding window (`window` w, causal only): query i sees keys i - w < j <= i; a query
+    block's loop also starts at the first key block of its band, so the work is O(L w).
   * Packed documents: segment_ids_BxL mask pairs from different documents.
   * Any length: the wrapper pads to whole blocks, the kernels mask padded keys, the output is
     sliced back. Padding and slicing happen outside the custom_vjp, so JAX differentiates them.
@@ -36,7 +38,7 @@ from jax.experimental import pallas as pl
 
 from jaxtron.kernels.blockwise import ATTENTION_LSE, ATTENTION_OUT
 from jaxtron.kernels.flash_backward import (MASK_VALUE, Tiling, dot, flash_backward,
-                                            k_block_end, tile_mask)
+                                            k_block_end, k_block_start, tile_mask)
 
 # Interpret mode executes every grid step as a loop iteration on the host: small tiles keep
 # CPU tests fast. On a GPU, 64-wide tiles fit the shared memory of every recent NVIDIA part
@@ -70,7 +72,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, t: Tiling):
 
     init = (jnp.zeros(q_ref.shape, jnp.float32), jnp.full((t.block_q,), MASK_VALUE, jnp.float32),
             jnp.zeros((t.block_q,), jnp.float32))
-    o_QxK, m_Q, l_Q = lax.fori_loop(0, k_block_end(t, q_block), body, init)
+    o_QxK, m_Q, l_Q = lax.fori_loop(k_block_start(t, q_block), k_block_end(t, q_block), body,
+                                    init)
     o_ref[...] = (o_QxK / l_Q[:, None]).astype(o_ref.dtype)
     lse_ref[...] = m_Q + jnp.log(l_Q)
 
@@ -137,11 +140,13 @@ def _pad_axis(x, axis: int, size: int, value=0):
 
 
 def flash_attention(q, k, v, *, causal: bool, segment_ids=None, block_q: int | None = None,
-                    block_k: int | None = None, interpret: bool | None = None):
+                    block_k: int | None = None, interpret: bool | None = None,
+                    window: int | None = None):
     """q_BxLxHxK, k/v_BxSxGxK -> out_BxLxHxK in q.dtype (G divides H: grouped-query attention).
 
     segment_ids_BxL (int32, needs L == S) restricts attention to tokens of the same packed
-    document. Causal masking is bottom-right aligned when L != S, like reference_attention.
+    document. Causal masking is bottom-right aligned when L != S, like reference_attention;
+    `window` (causal only) keeps the last `window` keys up to each query's own position.
     Block sizes default to 16 in interpret mode and 64 under Triton. interpret=None leaves the
     choice to lowering: Triton for cuda and rocm, interpret mode for any other platform.
     """
@@ -157,9 +162,13 @@ def flash_attention(q, k, v, *, causal: bool, segment_ids=None, block_q: int | N
     if causal and q_len > kv_len:
         raise ValueError(f"causal flash_attention with {q_len} queries but {kv_len} keys: the "
                          "first queries would have no key to attend to.")
+    if window is not None and (not causal or window < 1):
+        raise ValueError(f"a sliding window needs causal attention and at least one key; got "
+                         f"window={window}, causal={causal}.")
     if segment_ids is not None:
         segment_ids = segment_ids.astype(jnp.int32)
-    call = functools.partial(_padded_flash, causal=causal, block_q=block_q, block_k=block_k)
+    call = functools.partial(_padded_flash, causal=causal, block_q=block_q, block_k=block_k,
+                             window=window)
     if interpret is not None:
         return call(q, k, v, segment_ids, interpret=interpret)
     triton = functools.partial(call, interpret=False)
@@ -167,7 +176,8 @@ def flash_attention(q, k, v, *, causal: bool, segment_ids=None, block_q: int | N
                                   default=functools.partial(call, interpret=True))
 
 
-def _padded_flash(q, k, v, segment_ids, *, causal: bool, block_q, block_k, interpret: bool):
+def _padded_flash(q, k, v, segment_ids, *, causal: bool, block_q, block_k, interpret: bool,
+                  window: int | None):
     """Pad to whole tiles (and, for Triton, to a power-of-two head dim), run, slice back."""
     q_len, head_dim, kv_len = q.shape[1], q.shape[3], k.shape[1]
     bq, bk = _block(block_q, q_len, interpret), _block(block_k, kv_len, interpret)
@@ -177,7 +187,7 @@ def _padded_flash(q, k, v, segment_ids, *, causal: bool, block_q, block_k, inter
     t = Tiling(block_q=bq, block_k=bk, q_len=q_len, kv_len=kv_len,
                q_padded=pl.cdiv(q_len, bq) * bq, kv_padded=pl.cdiv(kv_len, bk) * bk,
                causal=causal, segments=segment_ids is not None, scale=head_dim ** -0.5,
-               interpret=interpret, head_dim=dim)
+               interpret=interpret, head_dim=dim, window=window)
     q = _pad_axis(_pad_axis(q, 1, t.q_padded), 3, dim)
     k, v = (_pad_axis(_pad_axis(x, 1, t.kv_padded), 3, dim) for x in (k, v))
     segments = None

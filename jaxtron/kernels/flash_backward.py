@@ -11,8 +11,10 @@ storing the L x S matrix; delta = rowsum(dO * O) is the softmax-Jacobian term, w
 ds = p * (dO v^T - delta).
 
 The geometry lives here (not in `flash.py`) because `flash.py` imports this module: every mask
-and loop bound is computed by the same three functions in both passes, so the backward can never
-visit a different set of tiles than the forward did.
+and loop bound is computed by the same functions in both passes, so the backward can never
+visit a different set of tiles than the forward did. With a sliding window (query i sees keys
+i - w < j <= i) the loops also start at the band: a query block walks only the key blocks that
+hold some key of its band, a key block only the query blocks that can see it.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class Tiling:
     scale: float  # 1 / sqrt(real head dim), also when the head dim is padded for Triton
     interpret: bool  # True: run the grid as a loop of XLA ops (CPU); False: lower to Triton
     head_dim: int = 0  # padded head dim the kernels see (sizes the Triton launch)
+    window: int | None = None  # sliding window (causal only): keys i + offset - window < j
 
     @property
     def compiler_params(self):
@@ -80,12 +83,29 @@ def k_block_end(t: Tiling, q_block):
     return jnp.minimum(lax.div(last_visible + t.block_k - 1, t.block_k), t.num_k_blocks)
 
 
+def k_block_start(t: Tiling, q_block):
+    """The first key block that query block `q_block` can see: the sliding window's skip."""
+    if t.window is None:
+        return 0
+    first_visible = jnp.maximum(q_block * t.block_q + t.offset - t.window + 1, 0)
+    return jnp.minimum(lax.div(first_visible, t.block_k), t.num_k_blocks)
+
+
 def q_block_start(t: Tiling, k_block):
     """The first query block that can see key block `k_block`: the causal skip, transposed."""
     if not t.causal:
         return 0
     first_seeing = jnp.maximum(k_block * t.block_k - t.offset, 0)
     return jnp.minimum(lax.div(first_seeing, t.block_q), t.num_q_blocks)
+
+
+def q_block_end(t: Tiling, k_block):
+    """One past the last query block that can see key block `k_block`: the window, transposed."""
+    if t.window is None:
+        return t.num_q_blocks
+    # query i sees key j while i < j - offset + window; the block's last key is the latest
+    last_seeing = (k_block + 1) * t.block_k - 1 - t.offset + t.window - 1
+    return jnp.clip(lax.div(last_seeing, t.block_q) + 1, 0, t.num_q_blocks)
 
 
 def tile_mask(t: Tiling, q_block, k_block, seg_q=None, seg_k=None):
@@ -97,6 +117,8 @@ def tile_mask(t: Tiling, q_block, k_block, seg_q=None, seg_k=None):
         masks.append(k_pos < t.kv_len)
     if t.causal:
         masks.append(k_pos <= q_pos + t.offset)
+    if t.window is not None:
+        masks.append(k_pos > q_pos + t.offset - t.window)
     if t.segments:
         masks.append(seg_q[:, None] == seg_k[None, :])
     return functools.reduce(jnp.logical_and, masks) if masks else None
@@ -130,7 +152,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, t: Tiling
         ds = p * (dot(do, v, (1, 1)) - delta[:, None])
         return dq_QxK + dot(ds.astype(k.dtype), k)
 
-    dq_QxK = lax.fori_loop(0, k_block_end(t, q_block), body,
+    dq_QxK = lax.fori_loop(k_block_start(t, q_block), k_block_end(t, q_block), body,
                            jnp.zeros(q_ref.shape, jnp.float32))
     dq_ref[...] = (dq_QxK * t.scale).astype(dq_ref.dtype)
 
@@ -154,7 +176,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, t: Tili
             return (dk_CxK + dot(ds.astype(q.dtype), q, (0, 0)),
                     dv_CxK + dot(p.astype(do.dtype), do, (0, 0)))
 
-        return lax.fori_loop(q_block_start(t, k_block), t.num_q_blocks, body, carry)
+        return lax.fori_loop(q_block_start(t, k_block), q_block_end(t, k_block), body, carry)
 
     zeros = jnp.zeros(k_ref.shape, jnp.float32)
     dk_CxK, dv_CxK = lax.fori_loop(0, group, head, (zeros, zeros))

@@ -30,6 +30,15 @@ on their device; the keys' ids travel with their k/v block round the ring (a few
 token), in the forward and the backward alike. The half-block skip is causal only and stays
 as it is; a row or tile that segments mask whole contributes nothing (no NaN).
 
+Sliding window (`window` w, causal only: query i sees keys i - w < j <= i): the band is a
+mask on true positions, not on indices within a block, since the zig-zag order puts far-apart
+chunks on one device. A device's query positions follow from its index, a visiting block's
+key positions from the device it left (me - step mod n), so nothing more travels. The work is
+then taken one (row chunk, key chunk) pair at a time, and a pair that cannot meet in the band
+(its latest key at or before its earliest query minus w) is skipped with a `lax.cond`: at
+L = 32k on a ring of 8 with Mistral's w = 4096, a third of the causal schedule's query-key pairs
+are computed (a quarter is the band itself).
+
 Only the `sequence` axis is manual inside the shard_map: batch and heads stay sharded by GSPMD
 over data, fsdp and tensor.
 
@@ -86,9 +95,10 @@ def _heads_last(x_BxGxRxLxK):
     return x_BxGxRxLxK.transpose(0, 3, 1, 2, 4).reshape(b, length, g * r, dim)
 
 
-def _tiles(q, k, causal: bool, segments):
+def _tiles(q, k, causal: bool, segments, band):
     """(tile width, count, scores(j, k_tile) -> masked fp32 scores, mask(j) or None).
-    `segments`: None, or (q_seg_Bx1x1xL, k_seg_Bx1xS) for this block's rows and keys."""
+    `segments`: None, or (q_seg_Bx1x1xL, k_seg_Bx1xS) for this block's rows and keys; `band`:
+    None, or (q_pos_L, k_pos_S, window), the true positions of the rows and keys."""
     rows, keys, scale = q.shape[3], k.shape[2], q.shape[-1] ** -0.5
     width = key_tile(rows, keys)
 
@@ -101,6 +111,10 @@ def _tiles(q, k, causal: bool, segments):
             q_seg, k_seg = segments
             k_tile = lax.dynamic_slice_in_dim(k_seg, j * width, width, axis=2)
             masks.append(q_seg[..., None] == k_tile[:, :, None, None, :])  # Bx1x1xLxW
+        if band is not None:
+            q_pos, k_pos, window = band
+            k_tile = lax.dynamic_slice_in_dim(k_pos, j * width, width)
+            masks.append(k_tile[None, :] > q_pos[:, None] - window)  # LxW
         return functools.reduce(jnp.logical_and, masks) if masks else None
 
     def scores(j, k_tile):
@@ -122,10 +136,10 @@ def _loop(count: int, body, carry):
     return body(0, carry) if count == 1 else lax.fori_loop(0, count, body, carry)
 
 
-def _fold(state, q, k, v, causal: bool, segments=None):
+def _fold(state, q, k, v, causal: bool, segments=None, band=None):
     """Fold the keys k/v into the online softmax state (o fp32 unnormalised, max m, sum l)."""
-    width, count, scores, mask = _tiles(q, k, causal, segments)
-    masked = causal or segments is not None
+    width, count, scores, mask = _tiles(q, k, causal, segments, band)
+    masked = causal or segments is not None or band is not None
 
     def body(j, state):
         o, m, l = state
@@ -143,10 +157,10 @@ def _fold(state, q, k, v, causal: bool, segments=None):
     return _loop(count, body, state)
 
 
-def _grads(acc, q, k, v, d_out, lse, delta, causal: bool, segments=None):
+def _grads(acc, q, k, v, d_out, lse, delta, causal: bool, segments=None, band=None):
     """Add this block's (dq, dk, dv) to acc: p = exp(s - lse), ds = p (dO v^T - delta)."""
-    width, count, scores, mask = _tiles(q, k, causal, segments)
-    masked = causal or segments is not None
+    width, count, scores, mask = _tiles(q, k, causal, segments, band)
+    masked = causal or segments is not None or band is not None
     scale = q.shape[-1] ** -0.5
 
     def body(j, acc):
@@ -180,16 +194,24 @@ def _grads(acc, q, k, v, d_out, lse, delta, causal: bool, segments=None):
 ALL = slice(None)
 
 
-def _schedule(causal: bool, step: int, c: int):
+def _schedule(causal: bool, step: int, c: int, by_chunk: bool = False):
     """-> [(rows, keys, causal)] for step `step` when the visitor comes from an earlier device,
-    and the same for a later one (the two agree except under causal masking after step 0)."""
+    and the same for a later one (the two agree except under causal masking after step 0).
+    `by_chunk` (a sliding window): the same pairs as one entry per (row chunk, key chunk), so
+    that each can be skipped on its own."""
     first, second = slice(0, c), slice(c, 2 * c)
     if not causal:
         work = [(ALL, ALL, False)]
         return work, work
     if step == 0:
-        work = [(first, first, True), (second, ALL, True)]
+        if by_chunk:  # chunk 2n-1-i sees chunk i whole and itself causally
+            work = [(first, first, True), (second, first, False), (second, second, True)]
+        else:
+            work = [(first, first, True), (second, ALL, True)]
         return work, work
+    if by_chunk:
+        return ([(first, first, False), (second, first, False)],
+                [(second, first, False), (second, second, False)])
     return [(ALL, first, False)], [(second, ALL, False)]
 
 
@@ -201,31 +223,34 @@ def _set(x, axis: int, part, y):
     return y if part == ALL else x.at[(slice(None),) * axis + (part,)].set(y)
 
 
-def _ring_steps(n: int, causal: bool, carry, blocks, work, send_with_block=None):
-    """Run the ring: at each of the n steps `work(carry, blocks, rows, keys, causal) -> carry`
-    for every entry of `_schedule`, the blocks (and `send_with_block(carry, send)`, the part of
-    carry that travels with them) passed one hop on afterwards. The next blocks are sent before
-    this step's work so the transfer can overlap it."""
+def _ring_steps(n: int, causal: bool, carry, blocks, work, send_with_block=None,
+                by_chunk: bool = False):
+    """Run the ring: at each of the n steps `work(carry, blocks, rows, keys, causal, source)
+    -> carry` for every entry of `_schedule` (`source`: the device the visiting blocks came
+    from), the blocks (and `send_with_block(carry, send)`, the part of carry that travels with
+    them) passed one hop on afterwards. The next blocks are sent before this step's work so the
+    transfer can overlap it. `by_chunk`: see `_schedule`."""
     me = lax.axis_index(AXIS)
     c = jax.tree.leaves(blocks)[0].shape[2] // 2
     ring = [(s, (s + 1) % n) for s in range(n)]
     send = functools.partial(lax.ppermute, axis_name=AXIS, perm=ring)
 
-    def run(entries, blocks):
+    def run(entries, blocks, source):
         def fn(carry):
             for rows, keys, masked in entries:
-                carry = work(carry, blocks, rows, keys, masked)
+                carry = work(carry, blocks, rows, keys, masked, source)
             return carry
         return fn
 
     for step in range(n):
         following = send(blocks) if step < n - 1 else None
-        earlier, later = _schedule(causal, step, c)
+        earlier, later = _schedule(causal, step, c, by_chunk)
+        source = (me - step) % n
         if earlier == later:
-            carry = run(earlier, blocks)(carry)
+            carry = run(earlier, blocks, source)(carry)
         else:  # the half-block skip: which half depends on where the visitor comes from
-            carry = lax.cond((me - step) % n < me, run(earlier, blocks), run(later, blocks),
-                             carry)
+            carry = lax.cond(source < me, run(earlier, blocks, source),
+                             run(later, blocks, source), carry)
         if send_with_block is not None:
             carry = send_with_block(carry, send)
         blocks = following
@@ -239,6 +264,24 @@ def _segments(q_seg, blocks, rows, keys):
     return _get(q_seg, 3, rows), _get(blocks[2], 2, keys)
 
 
+def _positions(device, c: int, n: int):
+    """True positions of a device's 2c zig-zag rows: chunks `device` and 2n-1-device."""
+    offsets = jnp.arange(c)
+    return jnp.concatenate([device * c + offsets, (2 * n - 1 - device) * c + offsets])
+
+
+def _banded(window, n: int, c: int, rows, keys, source, compute, carry):
+    """compute(carry, band) for one work entry; with a window, skipped (carry returned as it
+    is) where no row can see any of the keys, and told the rows' and keys' true positions."""
+    if window is None:
+        return compute(carry, None)
+    q_pos = _get(_positions(lax.axis_index(AXIS), c, n), 0, rows)
+    k_pos = _get(_positions(source, c, n), 0, keys)
+    band = (q_pos, k_pos, window)
+    return lax.cond(k_pos.max() > q_pos.min() - window, lambda x: compute(x, band),
+                    lambda x: x, carry)
+
+
 def _blocks(k, v, segment_ids_BxL):
     """What travels round the ring, and the local queries' ids: (k, v[, key ids]), q ids."""
     if segment_ids_BxL is None:
@@ -247,7 +290,8 @@ def _blocks(k, v, segment_ids_BxL):
     return (k, v, ids[:, None, :]), ids[:, None, None, :]
 
 
-def _forward(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, segment_ids_BxL, n: int, causal: bool):
+def _forward(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, segment_ids_BxL, n: int, causal: bool,
+             window: int | None = None):
     """-> (out_BxLxHxK, lse_BxGxRxL) on this device's 2c rows."""
     groups = k_BxSxGxK.shape[2]
     q = _heads_first(q_BxLxHxK, groups)
@@ -257,20 +301,24 @@ def _forward(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, segment_ids_BxL, n: int, causal: b
     o = jnp.zeros((*q.shape[:-1], v.shape[-1]), jnp.float32)  # v's head dim may differ (MLA)
     state = _varying(o, stats + NEG, stats)
 
-    def work(state, blocks, rows, keys, masked):
-        k, v = (_get(x, 2, keys) for x in blocks[:2])
-        new = _fold(tuple(_get(x, 3, rows) for x in state), _get(q, 3, rows), k, v, masked,
-                    _segments(q_seg, blocks, rows, keys))
-        return tuple(_set(x, 3, rows, y) for x, y in zip(state, new))
+    c = q.shape[3] // 2
 
-    o, m, l = _ring_steps(n, causal, state, blocks, work)
+    def work(state, blocks, rows, keys, masked, source):
+        def compute(state, band):
+            k, v = (_get(x, 2, keys) for x in blocks[:2])
+            new = _fold(tuple(_get(x, 3, rows) for x in state), _get(q, 3, rows), k, v, masked,
+                        _segments(q_seg, blocks, rows, keys), band)
+            return tuple(_set(x, 3, rows, y) for x, y in zip(state, new))
+        return _banded(window, n, c, rows, keys, source, compute, state)
+
+    o, m, l = _ring_steps(n, causal, state, blocks, work, by_chunk=window is not None)
     if q_seg is not None:  # a row no key is visible to (none with causal self-attention): 0
         l = jnp.where(l > 0, l, 1.0)
     out = _heads_last(o / l[..., None]).astype(q_BxLxHxK.dtype)
     return out, m + jnp.log(l)
 
 
-def _backward(n: int, causal: bool, residuals, d_out_BxLxHxK):
+def _backward(n: int, causal: bool, window: int | None, residuals, d_out_BxLxHxK):
     q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, segment_ids_BxL, out_BxLxHxK, lse = residuals
     groups = k_BxSxGxK.shape[2]
     q, d_out, out = (_heads_first(x, groups) for x in (q_BxLxHxK, d_out_BxLxHxK, out_BxLxHxK))
@@ -281,35 +329,41 @@ def _backward(n: int, causal: bool, residuals, d_out_BxLxHxK):
     acc = _varying(jnp.zeros(q.shape, jnp.float32), jnp.zeros(k.shape, jnp.float32),
                    jnp.zeros(v.shape, jnp.float32))
 
-    def work(acc, blocks, rows, keys, masked):
-        dq, dk, dv = acc
-        k, v = (_get(x, 2, keys) for x in blocks[:2])
-        dq_rows, dk_keys, dv_keys = _grads(
-            (_get(dq, 3, rows), _get(dk, 2, keys), _get(dv, 2, keys)), _get(q, 3, rows), k, v,
-            *(_get(x, 3, rows) for x in (d_out, lse, delta)), masked,
-            _segments(q_seg, blocks, rows, keys))
-        return _set(dq, 3, rows, dq_rows), _set(dk, 2, keys, dk_keys), _set(dv, 2, keys, dv_keys)
+    c = q.shape[3] // 2
+
+    def work(acc, blocks, rows, keys, masked, source):
+        def compute(acc, band):
+            dq, dk, dv = acc
+            k, v = (_get(x, 2, keys) for x in blocks[:2])
+            dq_rows, dk_keys, dv_keys = _grads(
+                (_get(dq, 3, rows), _get(dk, 2, keys), _get(dv, 2, keys)), _get(q, 3, rows), k,
+                v, *(_get(x, 3, rows) for x in (d_out, lse, delta)), masked,
+                _segments(q_seg, blocks, rows, keys), band)
+            return (_set(dq, 3, rows, dq_rows), _set(dk, 2, keys, dk_keys),
+                    _set(dv, 2, keys, dv_keys))
+        return _banded(window, n, c, rows, keys, source, compute, acc)
 
     def send_with_block(acc, send):  # dk/dv travel with their block; after step n-1, home
         dq, dk, dv = acc
         return (dq, *send((dk, dv)))
 
-    dq, dk, dv = _ring_steps(n, causal, acc, blocks, work, send_with_block)
+    dq, dk, dv = _ring_steps(n, causal, acc, blocks, work, send_with_block,
+                             by_chunk=window is not None)
     return (_heads_last(dq).astype(q_BxLxHxK.dtype),
             dk.transpose(0, 2, 1, 3).astype(k_BxSxGxK.dtype),
             dv.transpose(0, 2, 1, 3).astype(v_BxSxGxK.dtype),
             None)  # segment ids are integers: no cotangent
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _ring(q, k, v, segment_ids, n: int, causal: bool):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _ring(q, k, v, segment_ids, n: int, causal: bool, window: int | None):
     """Per-device body: q/k/v (and segment ids, or None) hold this device's two zig-zag
     chunks (2c positions)."""
-    return _forward(q, k, v, segment_ids, n, causal)[0]
+    return _forward(q, k, v, segment_ids, n, causal, window)[0]
 
 
-def _ring_fwd(q, k, v, segment_ids, n: int, causal: bool):
-    out, lse = _forward(q, k, v, segment_ids, n, causal)
+def _ring_fwd(q, k, v, segment_ids, n: int, causal: bool, window: int | None):
+    out, lse = _forward(q, k, v, segment_ids, n, causal, window)
     out, lse = checkpoint_name(out, ATTENTION_OUT), checkpoint_name(lse, ATTENTION_LSE)
     return out, (q, k, v, segment_ids, out, lse)
 
@@ -318,12 +372,14 @@ _ring.defvjp(_ring_fwd, _backward)
 
 
 def ring_attention(q, k, v, *, mesh: Mesh, causal: bool = True, zigzag: bool = False,
-                   segment_ids=None):
+                   segment_ids=None, window: int | None = None):
     """q_BxLxHxK, k/v_BxLxGxK, sequence-sharded over `mesh`'s `sequence` axis; segment_ids_BxL
     (packed documents, or None) in the order and sharding of q. `zigzag`: the sequence axis of
     q, k, v and segment_ids is already in zig-zag order for this ring, and the output is
-    returned in that order."""
+    returned in that order. `window` (causal only): query i sees keys i - window < j <= i."""
     n = mesh.shape[AXIS]
+    if window is not None and not causal:
+        raise ValueError(f"a sliding window (window={window}) needs causal attention.")
     if q.shape[1] % (2 * n):
         raise ValueError(f"ring attention needs the sequence length {q.shape[1]} to be a "
                          f"multiple of 2 x mesh.sequence = {2 * n} (zig-zag chunks).")
@@ -331,7 +387,7 @@ def ring_attention(q, k, v, *, mesh: Mesh, causal: bool = True, zigzag: bool = F
     inputs = (q, k, v) if segment_ids is None else (q, k, v, segment_ids)
 
     def local(q, k, v, segment_ids=None):
-        return _ring(q, k, v, segment_ids, n, causal)
+        return _ring(q, k, v, segment_ids, n, causal, window)
 
     body = jax.shard_map(local, mesh=shard_map_mesh(mesh), in_specs=(spec,) * len(inputs),
                          out_specs=spec, axis_names={AXIS})

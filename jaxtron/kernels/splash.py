@@ -11,7 +11,9 @@ from a mask description built at trace time. This module only adapts it:
   * lengths: TPU tiles are 128 lanes wide, so sequences are padded to whole blocks. Padded keys
     are masked by segment ids (padding is its own segment) unless causality already hides them
     from every real query; padded query rows are sliced off;
-  * causal masks are bottom-right aligned when L != S, like `reference_attention`;
+  * causal masks are bottom-right aligned when L != S, like `reference_attention`; a sliding
+    window is splash's LocalMask with window (w - 1, 0): keys i - w < j <= i, from which splash
+    builds its block-sparse schedule, so blocks outside the band are skipped;
   * the output and log-sum-exp carry ATTENTION_OUT's checkpoint name, so `remat: save_dots`
     keeps them as it does for the other kernels.
 
@@ -41,8 +43,10 @@ def block_size(length: int, largest: int = MAX_BLOCK) -> int:
 
 
 def _kernel(heads: int, q_len: int, kv_len: int, bq: int, bkv: int, q_padded: int,
-            kv_padded: int, causal: bool, interpret: bool):
-    if causal:
+            kv_padded: int, causal: bool, interpret: bool, window: int | None = None):
+    if window is not None:  # left w - 1 keys, right none: causal within the band
+        mask = splash.LocalMask((q_padded, kv_padded), (window - 1, 0), offset=kv_len - q_len)
+    elif causal:
         # Query i sees keys j <= i + (S - L): bottom-right aligned.
         mask = splash.CausalMask((q_padded, kv_padded), offset=kv_len - q_len)
     else:
@@ -56,9 +60,12 @@ def _kernel(heads: int, q_len: int, kv_len: int, bq: int, bkv: int, q_padded: in
 
 
 def splash_attention(q, k, v, *, causal: bool, segment_ids=None, interpret: bool = False,
-                     max_block: int = MAX_BLOCK):
+                     max_block: int = MAX_BLOCK, window: int | None = None):
     """q_BxLxHxK, k/v_BxSxGxK -> out_BxLxHxK (G divides H); segment_ids_BxL needs L == S.
-    `max_block` (a multiple of 128) caps the tile length, e.g. to test several blocks."""
+    `max_block` (a multiple of 128) caps the tile length, e.g. to test several blocks;
+    `window` (causal only): query i sees keys i - window < j <= i."""
+    if window is not None and not causal:
+        raise ValueError(f"a sliding window (window={window}) needs causal attention.")
     batch, q_len, heads, head_dim = q.shape
     kv_len = k.shape[1]
     bq, bkv = block_size(q_len, max_block), block_size(kv_len, max_block)
@@ -76,7 +83,8 @@ def splash_attention(q, k, v, *, causal: bool, segment_ids=None, interpret: bool
         segments = (jnp.pad(ids_q, ((0, 0), (0, q_padded - q_len)), constant_values=pad_id),
                     jnp.pad(ids_kv, ((0, 0), (0, kv_padded - kv_len)),
                             constant_values=pad_id))
-    kernel = _kernel(heads, q_len, kv_len, bq, bkv, q_padded, kv_padded, causal, interpret)
+    kernel = _kernel(heads, q_len, kv_len, bq, bkv, q_padded, kv_padded, causal, interpret,
+                     window)
     q = (q * jnp.asarray(head_dim ** -0.5, q.dtype))
     q_BxHxLxK = jnp.pad(q, ((0, 0), (0, q_padded - q_len), (0, 0), (0, 0))).swapaxes(1, 2)
     k_BxGxSxK, v_BxGxSxK = (jnp.pad(x, ((0, 0), (0, kv_padded - kv_len), (0, 0), (0, 0)))
