@@ -164,6 +164,7 @@ class Checkpointer:
         checking its fingerprints against those saved with it."""
         where = self.directory / str(step)
         check_compatible(self.saved_config(step), config, where)
+        _check_same_fp8_state(self.saved_config(step), config, where)
         verified = (where / "checksums").exists()  # checkpoints of earlier versions have none
         saved = self._read(step, where, checksums=ocp.args.JsonRestore())["checksums"] \
             if verified else None
@@ -258,6 +259,18 @@ def check_compatible(saved: dict, config: config_lib.Config, where: Path) -> Non
             f"the checkpoint at {where} was written for a different model ({'; '.join(diffs)}). "
             "Use the same model settings as the checkpoint, or point train.run_dir at a new "
             "folder (or set train.resume=never) to start a new run.")
+
+
+def _check_same_fp8_state(saved: dict, config: config_lib.Config, where: Path) -> None:
+    """Delayed fp8 scaling keeps amax histories in the training state; a run can switch
+    between the other modes freely, but not into or out of `delayed`."""
+    before = (saved.get("model", {}) if isinstance(saved, dict) else {}).get("fp8", "none")
+    if (before == "delayed") != (config.model.fp8 == "delayed"):
+        raise CheckpointError(
+            f"the checkpoint at {where} was written with model.fp8={before} and the config "
+            f"says model.fp8={config.model.fp8}; delayed scaling's amax histories are part of "
+            "the training state, so resume with the checkpoint's model.fp8, or start from its "
+            "weights with python -m jaxtron.export and train.init_from.")
 
 
 def saved_steps(directory: Path) -> list[int]:

@@ -50,9 +50,12 @@ class ModelConfig:
     vocab_size: int = _f(256, "embedding rows; must cover the data's tokenizer")
     max_seq_len: int = _f(2048, "longest sequence the position encoding supports")
     fp8: str = _f("none", "matmuls of the projections, MLPs and (capacity-mode) experts in "
-                  "fp8: tensorwise = e4m3 forward, e5m2 gradients, per-tensor current scales "
+                  "fp8: e4m3 forward, e5m2 gradients, per-tensor scales, current (tensorwise) "
+                  "or from an amax history (delayed; experts keep current scales) "
                   "(jaxtron/kernels/fp8.py); embedding, head and attention stay",
-                  ("none", "tensorwise"))
+                  ("none", "tensorwise", "delayed"))
+    fp8_amax_history: int = _f(1024, "steps of amaxes a delayed fp8 scale looks back over "
+                               "(Transformer Engine's amax_history_len)")
     qkv_bias: bool = _f(False, "biases on the query, key and value projections of a llama "
                         "(Qwen2)")
     tie_embeddings: bool | None = _f(None, "output head = the embedding table transposed "

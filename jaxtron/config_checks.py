@@ -55,7 +55,8 @@ def validate(c: Config) -> None:
                 "train.log_every": t.log_every, "train.eval_batches": t.eval_batches,
                 "optim.grad_accum": o.grad_accum, "data.seq_len": d.seq_len,
                 "pipeline.microbatches": c.pipeline.microbatches,
-                "pipeline.virtual_stages": c.pipeline.virtual_stages}
+                "pipeline.virtual_stages": c.pipeline.virtual_stages,
+                "model.fp8_amax_history": m.fp8_amax_history}
     for name, value in positive.items():
         _check(value > 0, f"{name}={value} must be a positive integer.")
     _check(m.num_kv_heads is None or m.num_kv_heads > 0,
@@ -215,6 +216,9 @@ def _validate_moe(c: Config) -> None:
 
 def _validate_pipeline(c: Config) -> None:
     pp, stages = c.pipeline, c.mesh.stage
+    _check(stages == 1 or c.model.fp8 != "delayed",
+           "model.fp8=delayed is not supported on a pipeline (mesh.stage > 1): the stages "
+           "would sum their amax observations; use model.fp8=tensorwise.")
     if stages == 1:
         _check(pp.microbatches == 1 and pp.virtual_stages == 1 and pp.layers_per_stage is None,
                "pipeline.microbatches, pipeline.virtual_stages and pipeline.layers_per_stage "

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 import yaml
 from flax import nnx
@@ -25,6 +26,7 @@ from jaxtron import config as config_lib
 from jaxtron.checkpoint import (CheckpointError, Checkpointer, DamagedCheckpoint,
                                 check_compatible, checkpoint_dir)
 from jaxtron.errors import exits_on_user_error
+from jaxtron.kernels import fp8
 from jaxtron.run_dir import cannot_write
 
 
@@ -96,7 +98,7 @@ def load_any(path: str | Path, step: int | None = None):
 def save_params(out: str | Path, config: config_lib.Config, params_pure: dict) -> Path:
     out = writable_dir(out)
     checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(out / "params", params_pure, force=True)
+    checkpointer.save(out / "params", weights_only(params_pure), force=True)
     checkpointer.wait_until_finished()
     (out / "config.yaml").write_text(config_lib.dump(config))
     return out
@@ -136,12 +138,32 @@ def load_params(path: str | Path, trainer) -> nnx.State:
     params = trainer.abstract_canonical_state().params
     target = nnx.to_pure_dict(params)
     try:
-        restored = ocp.StandardCheckpointer().restore(path / "params", target)
+        restored = ocp.StandardCheckpointer().restore(path / "params", weights_only(target))
     except Exception as err:
         raise CheckpointError(f"the parameters in {path / 'params'} could not be read "
                               f"({type(err).__name__}: {str(err)[:300]}); re-export them.") from None
-    nnx.replace_by_pure_dict(params, restored)
+    nnx.replace_by_pure_dict(params, with_empty_fp8_histories(restored, target))
     return params
+
+
+def weights_only(tree: dict) -> dict:
+    """A pure-dict parameter tree without delayed fp8 scaling's amax histories: exports hold
+    weights, and a model fine-tuned with `model.fp8: delayed` starts its histories afresh."""
+    return {k: weights_only(v) if isinstance(v, dict) else v for k, v in tree.items()
+            if k != fp8.HISTORY}
+
+
+def with_empty_fp8_histories(weights: dict, target: dict) -> dict:
+    """`weights` plus zero amax histories wherever `target` (the model's tree) has one."""
+    out = {}
+    for key, want in target.items():
+        if key == fp8.HISTORY:
+            out[key] = np.zeros(want.shape, want.dtype)
+        elif isinstance(want, dict):
+            out[key] = with_empty_fp8_histories(weights[key], want)
+        else:
+            out[key] = weights[key]
+    return out
 
 
 @exits_on_user_error

@@ -4,7 +4,9 @@ The step has no flags. How gradients are computed is a function passed in, built
 `plain_grads` (one pass over the batch), `accumulated_grads` (sum over microbatches with
 `lax.scan`; the optimizer still takes one step per global batch, and the loss is the same mean)
 and `sharding.data_parallel.reduce_once` (one data-parallel reduction per step; ZeRO-2's
-reduce-scatter).
+reduce-scatter). Delayed fp8 scaling's amax histories ride along as parameters whose gradients
+are the step's observed amaxes: those are combined by max and written into the histories
+after the update (`kernels/fp8.py`).
 
 A batch is a dict of [B, ...] arrays (`jaxtron.data.batch`): `tokens` (inputs and shifted
 targets), and for packed rows `positions` / `segment_ids`, and `loss_mask` where only some
@@ -24,6 +26,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx, struct
 
+from jaxtron.kernels import fp8
 from jaxtron.models.moe import update_router_bias
 from jaxtron.models.token_layout import TokenLayout
 from jaxtron.sharding.zigzag import in_zigzag_order
@@ -95,12 +98,13 @@ def accumulated_grads(grad_fn: GradFn, microbatches: int) -> GradFn:
 
         def body(grad_sum, micro_batch):
             out, grads = grad_fn(params, micro_batch)
-            return jax.tree.map(jnp.add, grad_sum, grads), out
+            return jax.tree_util.tree_map_with_path(fp8.combine, grad_sum, grads), out
 
         zeros = jax.tree.map(jnp.zeros_like, params)
         grad_sum, outs = jax.lax.scan(body, zeros, batch_AxMx)
         mean = jax.tree.map(lambda x: jnp.mean(x, axis=0), outs)
-        return mean, jax.tree.map(lambda g: g / microbatches, grad_sum)
+        return mean, jax.tree_util.tree_map_with_path(
+            lambda path, g: g if fp8.is_history(path) else g / microbatches, grad_sum)
 
     return accumulate
 
@@ -111,8 +115,10 @@ def make_train_step(tx: optax.GradientTransformation, schedule: optax.Schedule,
     (`models.moe.update_router_bias`, auxiliary-loss-free balancing) after the update."""
     def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
         (_, metrics), grads = grad_fn(state.params, batch)
+        grads, observed_amaxes = fp8.split_observed_amaxes(grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
+        params = fp8.record_amaxes(params, observed_amaxes)
         metrics = dict(metrics)
         load = metrics.pop("moe_load", None)
         if router_bias_rate > 0:

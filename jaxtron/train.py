@@ -28,6 +28,7 @@ from jaxtron.host_memory import keep_freed_host_memory
 from jaxtron import distributed
 from jaxtron.dry_run import dry_run
 from jaxtron.fits import check_fits
+from jaxtron.kernels import fp8
 from jaxtron.loop import LoopPolicy
 from jaxtron.metrics_log import MetricsLog, Reporter
 from jaxtron.errors import ConfigError, JaxtronError, exit_command, exits_on_user_error
@@ -116,7 +117,8 @@ def _run(c: config_lib.Config, run_dir: Path) -> dict:
     log = MetricsLog(run_dir, c.train.steps, enabled=is_main, start=start,
                      tensorboard=c.train.tensorboard)
     if is_main:
-        n_params = sum(x.size for x in jax.tree.leaves(state.params))
+        n_params = sum(x.size for path, x in jax.tree_util.tree_leaves_with_path(state.params)
+                       if not fp8.is_history(path))  # delayed fp8's amax histories aren't weights
         print(f"jaxtron: {c.model.type} model, {n_params:,} parameters, "
               f"{describe_mesh(trainer.mesh)}, compute {trainer.config.model.dtype}, "
               f"{describe_sources(sources)}; peak {peak / 1e9:,.1f} "

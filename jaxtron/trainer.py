@@ -23,6 +23,7 @@ from jaxtron.config import Config
 from jaxtron.cpu_matmuls import compiler_options, keep_until_exit
 from jaxtron.data.windows import batch_keys
 from jaxtron.errors import ConfigError
+from jaxtron.kernels import fp8
 from jaxtron.models import Transformer
 from jaxtron.optim import build_optimizer, learning_rate
 from jaxtron.pipelined import PipelinedTransformer
@@ -87,13 +88,20 @@ class Trainer:
         if c.optim.grad_accum > 1:
             grad_fn = accumulated_grads(grad_fn, c.optim.grad_accum)
         zero2 = c.optim.zero_stage >= 2
+        parts = c.optim.grad_accum  # the loss each gradient sees: 1/parts of the step's
         if self.mesh.shape["data"] > 1 and (zero2 or c.optim.grad_accum > 1):
             scatter_like = (variable_shardings(abstract.params, optimizer_rules(c), self.mesh)
                             if zero2 else None)
             grad_fn = reduce_once(grad_fn, self.mesh,
                                   variable_shardings(abstract.params, self.param_rules,
                                                      self.mesh), scatter_like)
-        return lambda params, batch: grad_fn(params, counted_tokens_mean(batch))
+            parts *= self.mesh.shape["data"]
+
+        def step_grads(params, batch):
+            with fp8.gradient_parts(parts):
+                return grad_fn(params, counted_tokens_mean(batch))
+
+        return step_grads
 
     def _shardings(self, abstract: TrainState) -> TrainState:
         """Parameters by the parameter rules, optimizer state by the (ZeRO) optimizer rules."""

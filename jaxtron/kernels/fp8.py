@@ -8,6 +8,21 @@ residuals are kept in fp8: a quarter of fp32's bytes). Master weights and everyt
 these matmuls keep their dtypes (Micikevicius et al. 2022, "FP8 Formats for Deep Learning";
 Transformer Engine's and Megatron's `--fp8-recipe tensorwise`, with current scaling).
 
+`model.fp8: delayed` (Transformer Engine's DelayedScaling, Megatron's `--fp8-recipe delayed`)
+scales each operand by the largest amax of the last `model.fp8_amax_history` steps instead of
+the current one, so no step waits for a max over its own tensor before quantising; values past
+the stale range saturate at the format's largest value. Each fp8 matmul owns a [history, 3]
+parameter, `fp8_amax_history` (columns: input, weight, output gradient; row 0 the newest). Its
+"gradient" carries this step's three amaxes back out of the backward pass (the gradient's amax
+only exists there), and the train step writes them into the history instead of letting the
+optimizer see them (`split_observed_amaxes`, `record_amaxes`). Reductions of these observations
+take the max, never the sum: over microbatches (`combine`) and over data-parallel ranks. An
+empty history (the first step) scales by the current amax. Gradient amaxes are recorded for the
+gradient of the whole step's loss: a microbatch of 1/parts of the batch differentiates its own
+mean, `parts` times larger (`gradient_parts`, set by the Trainer), so its observation is divided
+by `parts` and its scale multiplied by it; the history then means the same under any
+accumulation or data-parallel layout, and a run resumed on another one scales as before.
+
 On GPUs the lowered step carries the fp8 `dot_general`s themselves (cuBLASLt fp8 gemms on
 Hopper and later); XLA:CPU computes them exactly in wider types, so CPU runs give fp8's numbers
 at CPU speed.
@@ -15,6 +30,8 @@ at CPU speed.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 
 import jax
@@ -28,16 +45,42 @@ def _varying(x) -> tuple[str, ...]:
     return tuple(sorted(jax.typeof(x).manual_axis_type.varying))
 
 
-def quantize(x, dtype):
-    """(x / scale in `dtype`, scale) with scale = amax(|x|) / the format's largest value. Inside
-    a shard_map the amax is taken over the whole tensor (a max over the axes x is split over),
+HISTORY = "fp8_amax_history"  # the parameter of delayed scaling; see the module docstring
+_GRADIENT_PARTS = contextvars.ContextVar("jaxtron_fp8_gradient_parts", default=1)
+
+
+@contextlib.contextmanager
+def gradient_parts(parts: int):
+    """While tracing a gradient whose loss is the mean over 1/`parts` of the step's batch
+    (a microbatch of accumulation on one data-parallel rank): the loss gradients it sees are
+    `parts` times those of the step's loss."""
+    token = _GRADIENT_PARTS.set(parts)
+    try:
+        yield
+    finally:
+        _GRADIENT_PARTS.reset(token)
+
+
+def amax_of(x):
+    """max |x| over the whole tensor: inside a shard_map also over the axes x is split over,
     so every layout scales as one device does."""
     amax = jnp.max(jnp.abs(x.astype(jnp.float32)))
     if _varying(x):
         amax = jax.lax.pmax(amax, _varying(x))
-    amax = jax.lax.stop_gradient(amax)
-    scale = jnp.where(amax > 0, amax / float(jnp.finfo(dtype).max), 1.0)
-    return (x.astype(jnp.float32) / scale).astype(dtype), scale
+    return jax.lax.stop_gradient(amax)
+
+
+def to_fp8(x, amax, dtype):
+    """(x / scale in `dtype`, scale), scale = amax / the format's largest value; values beyond
+    amax (a delayed scale's stale range) saturate instead of overflowing to NaN."""
+    largest = float(jnp.finfo(dtype).max)
+    scale = jnp.where(amax > 0, amax / largest, 1.0)
+    return jnp.clip(x.astype(jnp.float32) / scale, -largest, largest).astype(dtype), scale
+
+
+def quantize(x, dtype):
+    """Current scaling: x in `dtype` scaled by its own amax, and the scale."""
+    return to_fp8(x, amax_of(x), dtype)
 
 
 def _specs(spec: str) -> tuple[str, str, str]:
@@ -85,6 +128,80 @@ def _sum_to(gradient, like):
 fp8_einsum.defvjp(_forward, _backward)
 
 
-def einsum(spec: str, x, w, fp8: str = "none"):
-    """A projection's einsum: plain, or through fp8 (`model.fp8`)."""
-    return jnp.einsum(spec, x, w) if fp8 == "none" else fp8_einsum(spec, x, w)
+def _delayed(history_col, current):
+    """The amax a delayed scale uses: the history's largest, or the current one while the
+    history is still empty."""
+    past = jnp.max(history_col)
+    return jnp.where(past > 0, past, current)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def fp8_delayed_einsum(spec: str, x, w, history_Hx3):
+    """`fp8_einsum` with delayed scales from `history_Hx3`; the cotangent of the history is
+    zero but for row 0, this step's amaxes (input, weight, output gradient)."""
+    return _delayed_forward(spec, x, w, history_Hx3)[0]
+
+
+def _delayed_forward(spec, x, w, history_Hx3):
+    history_Hx3 = jax.lax.stop_gradient(history_Hx3)
+    ax, aw = amax_of(x), amax_of(w)
+    xq, sx = to_fp8(x, _delayed(history_Hx3[:, 0], ax), E4M3)
+    wq, sw = to_fp8(w, _delayed(history_Hx3[:, 1], aw), E4M3)
+    y = (_dot(spec, xq, wq) * (sx * sw)).astype(x.dtype)
+    return y, (xq, sx, wq, sw, ax, aw, history_Hx3, x.reshape(-1)[:0], w.reshape(-1)[:0])
+
+
+def _delayed_backward(spec, residuals, g):
+    xq, sx, wq, sw, ax, aw, history_Hx3, x_like, w_like = residuals
+    a, b, out = _specs(spec)
+    ag, parts = amax_of(g), _GRADIENT_PARTS.get()
+    gq, sg = to_fp8(g, _delayed(history_Hx3[:, 2] * parts, ag), E5M2)
+    dx = _dot(f"{out},{b}->{a}", gq, wq) * (sg * sw)
+    dw = _dot(f"{a},{out}->{b}", xq, gq) * (sx * sg)
+    dx, dw = (_sum_to(d, like) for d, like in ((dx, x_like), (dw, w_like)))
+    observed = jnp.zeros_like(history_Hx3).at[0].set(
+        jnp.stack([ax, aw, ag / parts]).astype(history_Hx3.dtype))
+    return dx.astype(x_like.dtype), dw.astype(w_like.dtype), observed
+
+
+fp8_delayed_einsum.defvjp(_delayed_forward, _delayed_backward)
+
+
+def einsum(spec: str, x, w, fp8: str = "none", history_Hx3=None):
+    """A projection's einsum: plain, or through fp8 (`model.fp8`); `delayed` needs this
+    matmul's amax history."""
+    if fp8 == "none":
+        return jnp.einsum(spec, x, w)
+    if fp8 == "delayed" and history_Hx3 is not None:
+        return fp8_delayed_einsum(spec, x, w, history_Hx3)
+    return fp8_einsum(spec, x, w)
+
+
+def is_history(path) -> bool:
+    return any(getattr(key, "key", None) == HISTORY for key in path)
+
+
+def combine(path, total, observed):
+    """Accumulating one microbatch's gradients: sums, but the max of observed amaxes."""
+    return jnp.maximum(total, observed) if is_history(path) else total + observed
+
+
+def split_observed_amaxes(grads):
+    """(gradients with the histories' entries zeroed, so the optimizer and the gradient norm
+    never see them; this step's observed amaxes, the same tree)."""
+    clean = jax.tree_util.tree_map_with_path(
+        lambda path, g: jnp.zeros_like(g) if is_history(path) else g, grads)
+    return clean, grads
+
+
+def record_amaxes(params, observed):
+    """Every history shifted down one row, this step's amaxes in row 0 (a non-finite amax,
+    an overflowed step, keeps the old history)."""
+    def record(path, history, seen):
+        if not is_history(path):
+            return history
+        newest = seen[..., 0:1, :]
+        shifted = jnp.concatenate([newest, history[..., :-1, :]], axis=-2)
+        return jnp.where(jnp.all(jnp.isfinite(newest)), shifted, history)
+
+    return jax.tree_util.tree_map_with_path(record, params, observed)

@@ -26,6 +26,20 @@ def param(rngs: nnx.Rngs, init, shape, names, dtype) -> nnx.Param:
                      eager_sharding=False)
 
 
+def fp8_histories(cfg: ModelConfig, rngs: nnx.Rngs, matmuls: int) -> nnx.Param | None:
+    """Delayed fp8 scaling's amax histories of a layer's `matmuls` fp8 matmuls, [matmuls,
+    model.fp8_amax_history, 3] (kernels/fp8.py); None unless `model.fp8: delayed`."""
+    if cfg.fp8 != "delayed":
+        return None
+    return param(rngs, nnx.initializers.zeros, (matmuls, cfg.fp8_amax_history, 3),
+                 (None, None, None), jnp.float32)
+
+
+def fp8_history(histories: nnx.Param | None, matmul: int):
+    """The amax history of one fp8 matmul of a layer (None without delayed scaling)."""
+    return None if histories is None else histories[...][matmul]
+
+
 def normal(std: float):
     return nnx.initializers.normal(stddev=std)
 
@@ -111,13 +125,18 @@ class Attention(nnx.Module):
             ones = nnx.initializers.ones
             self.q_norm = param(rngs, ones, (k,), ("head_dim",), pd)
             self.k_norm = param(rngs, ones, (k,), ("head_dim",), pd)
+        self.fp8_amax_history = fp8_histories(cfg, rngs, 4)  # q, k, v, out
 
     def project_qkv(self, x_BxLxD, positions):
         """q_BxLxHxK, k/v_BxLxGxK with biases, QK-norm and rotary positions applied."""
         cfg, dt = self.cfg, x_BxLxD.dtype
-        q_BxLxHxK = einsum("bld,dhk->blhk", x_BxLxD, self.wq[...].astype(dt), cfg.fp8)
-        k_BxLxGxK = einsum("bld,dgk->blgk", x_BxLxD, self.wk[...].astype(dt), cfg.fp8)
-        v_BxLxGxK = einsum("bld,dgk->blgk", x_BxLxD, self.wv[...].astype(dt), cfg.fp8)
+        h = self.fp8_amax_history
+        q_BxLxHxK = einsum("bld,dhk->blhk", x_BxLxD, self.wq[...].astype(dt), cfg.fp8,
+                           fp8_history(h, 0))
+        k_BxLxGxK = einsum("bld,dgk->blgk", x_BxLxD, self.wk[...].astype(dt), cfg.fp8,
+                           fp8_history(h, 1))
+        v_BxLxGxK = einsum("bld,dgk->blgk", x_BxLxD, self.wv[...].astype(dt), cfg.fp8,
+                           fp8_history(h, 2))
         if self.qkv_bias:
             q_BxLxHxK += self.bq[...].astype(dt)
             k_BxLxGxK += self.bk[...].astype(dt)
@@ -133,7 +152,7 @@ class Attention(nnx.Module):
     def project_out(self, out_BxLxHxK):
         dt = out_BxLxHxK.dtype
         out_BxLxD = einsum("blhk,hkd->bld", out_BxLxHxK, self.wo[...].astype(dt),
-                           self.cfg.fp8)
+                           self.cfg.fp8, fp8_history(self.fp8_amax_history, 3))
         if self.use_bias:
             out_BxLxD += self.bo[...].astype(dt)
         return out_BxLxD
@@ -170,15 +189,20 @@ class MLP(nnx.Module):
             self.b_in = param(rngs, zeros, (f,), ("mlp",), pd)
             self.w_out = param(rngs, out_init, (f, d), ("mlp", "embed"), pd)
             self.b_out = param(rngs, zeros, (d,), ("embed",), pd)
+        self.fp8_amax_history = fp8_histories(cfg, rngs, 3 if self.gated else 2)
 
     def __call__(self, x_BxLxD):
-        dt = x_BxLxD.dtype
+        dt, fp8, h = x_BxLxD.dtype, self.fp8, self.fp8_amax_history
         if self.gated:
-            fp8 = self.fp8
-            gate_BxLxF = einsum("bld,df->blf", x_BxLxD, self.w_gate[...].astype(dt), fp8)
-            up_BxLxF = einsum("bld,df->blf", x_BxLxD, self.w_up[...].astype(dt), fp8)
+            gate_BxLxF = einsum("bld,df->blf", x_BxLxD, self.w_gate[...].astype(dt), fp8,
+                                fp8_history(h, 0))
+            up_BxLxF = einsum("bld,df->blf", x_BxLxD, self.w_up[...].astype(dt), fp8,
+                              fp8_history(h, 1))
             h_BxLxF = constrain(swiglu(gate_BxLxF, up_BxLxF), ("batch", "seq", "mlp"))
-            return einsum("blf,fd->bld", h_BxLxF, self.w_down[...].astype(dt), fp8)
-        h_BxLxF = x_BxLxD @ self.w_in[...].astype(dt) + self.b_in[...].astype(dt)
+            return einsum("blf,fd->bld", h_BxLxF, self.w_down[...].astype(dt), fp8,
+                          fp8_history(h, 2))
+        h_BxLxF = (einsum("bld,df->blf", x_BxLxD, self.w_in[...].astype(dt), fp8,
+                          fp8_history(h, 0)) + self.b_in[...].astype(dt))
         h_BxLxF = constrain(gelu_tanh(h_BxLxF), ("batch", "seq", "mlp"))
-        return h_BxLxF @ self.w_out[...].astype(dt) + self.b_out[...].astype(dt)
+        return (einsum("blf,fd->bld", h_BxLxF, self.w_out[...].astype(dt), fp8,
+                       fp8_history(h, 1)) + self.b_out[...].astype(dt))

@@ -40,7 +40,7 @@ from jaxtron.config import ModelConfig
 from jaxtron.kernels import attention
 from jaxtron.kernels.fp8 import einsum
 from jaxtron.models import rope
-from jaxtron.models.layers import normal, param, rotary
+from jaxtron.models.layers import fp8_histories, fp8_history, normal, param, rotary
 from jaxtron.models.token_layout import PLAIN, TokenLayout
 from jaxtron.sharding.rules import constrain
 
@@ -78,24 +78,29 @@ class MLAttention(nnx.Module):
         self.wk_up = param(rngs, init, (c, h, nope), ("latent", "heads", "head_dim"), pd)
         self.wv_up = param(rngs, init, (c, h, v), ("latent", "heads", "head_dim"), pd)
         self.wo = param(rngs, out_init, (h, v, d), ("heads", "head_dim", "embed"), pd)
+        # fp8 histories: q down (or q), q up, kv down, out
+        self.fp8_amax_history = fp8_histories(cfg, rngs, 4)
 
     def project(self, x_BxLxD, positions):
         """-> q_BxLxHxK (RoPE on its last P columns), latent_BxLxC (normalised), p_BxLxP
         (the rotated key part every head shares)."""
-        cfg, dt = self.cfg, x_BxLxD.dtype
+        cfg, dt, h = self.cfg, x_BxLxD.dtype, self.fp8_amax_history
         if self.q_lora:
-            cq_BxLxQ = einsum("bld,dq->blq", x_BxLxD, self.wq_down[...].astype(dt), cfg.fp8)
+            cq_BxLxQ = einsum("bld,dq->blq", x_BxLxD, self.wq_down[...].astype(dt), cfg.fp8,
+                              fp8_history(h, 0))
             cq_BxLxQ = rms_norm(cq_BxLxQ, self.q_norm[...], cfg.norm_eps)
             q_BxLxHxK = einsum("blq,qhk->blhk", cq_BxLxQ, self.wq_up[...].astype(dt),
-                               cfg.fp8)
+                               cfg.fp8, fp8_history(h, 1))
         else:
-            q_BxLxHxK = einsum("bld,dhk->blhk", x_BxLxD, self.wq[...].astype(dt), cfg.fp8)
+            q_BxLxHxK = einsum("bld,dhk->blhk", x_BxLxD, self.wq[...].astype(dt), cfg.fp8,
+                               fp8_history(h, 0))
         q_nope, q_pe = jnp.split(q_BxLxHxK, [cfg.qk_nope_head_dim], axis=-1)
         q_BxLxHxK = jnp.concatenate([q_nope, rotary(q_pe, positions, cfg)], axis=-1)
         softmax_factor = rope.latent_softmax_scale(cfg)
         if softmax_factor != 1.0:  # YaRN's softmax scale, carried by the queries
             q_BxLxHxK = q_BxLxHxK * jnp.asarray(softmax_factor, q_BxLxHxK.dtype)
-        ckv_BxLxCP = einsum("bld,dc->blc", x_BxLxD, self.wkv_down[...].astype(dt), cfg.fp8)
+        ckv_BxLxCP = einsum("bld,dc->blc", x_BxLxD, self.wkv_down[...].astype(dt), cfg.fp8,
+                            fp8_history(h, 2))
         latent_BxLxC, p_BxLxP = jnp.split(ckv_BxLxCP, [cfg.kv_lora_rank], axis=-1)
         latent_BxLxC = rms_norm(latent_BxLxC, self.kv_norm[...], cfg.norm_eps)
         p_BxLxP = rotary(p_BxLxP[:, :, None, :], positions, cfg)[:, :, 0]
@@ -103,7 +108,8 @@ class MLAttention(nnx.Module):
 
     def project_out(self, out_BxLxHxV):
         dt = out_BxLxHxV.dtype
-        return einsum("blhv,hvd->bld", out_BxLxHxV, self.wo[...].astype(dt), self.cfg.fp8)
+        return einsum("blhv,hvd->bld", out_BxLxHxV, self.wo[...].astype(dt), self.cfg.fp8,
+                      fp8_history(self.fp8_amax_history, 3))
 
     def __call__(self, x_BxLxD, layout: TokenLayout = PLAIN):
         """As `Attention.__call__`: RoPE at the layout's positions, attention within its

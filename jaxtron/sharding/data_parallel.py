@@ -28,6 +28,7 @@ from __future__ import annotations
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxtron.kernels import fp8
 from jaxtron.sharding.rules import without_mesh_axis
 
 AXIS = "data"
@@ -73,17 +74,24 @@ def reduce_once(grad_fn, mesh: Mesh, param_shardings, optimizer_shardings=None):
     it is summed; one split over fsdp or tensor leaves the data-manual region unreduced, one
     [1, ...] block per rank, and is scattered in a fully manual shard_map."""
     n = mesh.shape[AXIS]
+    # Delayed fp8 scaling's observed amaxes are reduced by max and never scattered.
+    histories = [fp8.is_history(path) for path, _ in jax.tree_util.tree_flatten_with_path(
+        param_shardings, is_leaf=lambda x: isinstance(x, NamedSharding))[0]]
+    manual = []
     if optimizer_shardings is None:
-        plans = None
+        plans = [("all",)] * len(histories)
     else:
         params, moments = _leaves(param_shardings), _leaves(optimizer_shardings)
-        plans = [("all",) if _scatter_dim(o) is None else
+        plans = [("all",) if _scatter_dim(o) is None or history else
                  ("manual",) if _split_by_mesh(p) else ("here", _scatter_dim(o))
-                 for p, o in zip(params, moments)]
+                 for p, o, history in zip(params, moments, histories, strict=True)]
         manual = [i for i, plan in enumerate(plans) if plan[0] == "manual"]
         scatter = _manual_scatter(mesh, [params[i] for i in manual], [moments[i] for i in manual])
+    plans = [("max",) if history else plan for plan, history in zip(plans, histories)]
 
     def reduce(g, plan):
+        if plan[0] == "max":
+            return jax.lax.pmax(g, AXIS)
         if plan[0] == "all":
             return jax.lax.psum(g, AXIS) / n
         if plan[0] == "here":
@@ -99,21 +107,17 @@ def reduce_once(grad_fn, mesh: Mesh, param_shardings, optimizer_shardings=None):
         with without_mesh_axis(AXIS):
             (objective, metrics), grads = grad_fn(params, batch)
         objective, metrics = jax.lax.pmean((objective, metrics), AXIS)
-        if plans is None:
-            return (objective, metrics), jax.tree.map(lambda g: g / n,
-                                                      jax.lax.psum(grads, AXIS))
         leaves, treedef = jax.tree.flatten(grads)
         return (objective, metrics), treedef.unflatten(
             [reduce(g, plan) for g, plan in zip(leaves, plans, strict=True)])
 
     def fn(params, batch):
-        specs = (PartitionSpec() if plans is None else
-                 jax.tree.structure(params).unflatten([out_spec(p) for p in plans]))
+        specs = jax.tree.structure(params).unflatten([out_spec(p) for p in plans])
         mapped = jax.shard_map(body, mesh=mesh, axis_names={AXIS},
                                in_specs=(PartitionSpec(), PartitionSpec(AXIS)),
                                out_specs=(PartitionSpec(), specs), check_vma=False)
         out, grads = mapped(params, batch)
-        if plans is None or not manual:
+        if not manual:
             return out, grads
         leaves, treedef = jax.tree.flatten(grads)
         scattered = iter(scatter(*[leaves[i] for i in manual]))
