@@ -92,6 +92,10 @@ class ModelConfig:
                             "never materialised in full)", ("plain", "chunked"))
     loss_chunk_tokens: int = _f(2048, "tokens per chunk of the chunked cross-entropy")
     attention_impl: str = _f("auto", "attention kernel: auto, xla (reference), cudnn or pallas", ATTENTION_IMPLS)
+    sliding_window: int | None = _f(None, "sliding-window attention: each query sees the last "
+                                    "w keys up to its own position, itself included (Mistral's "
+                                    "sliding_window, 4096 in Mistral 7B v0.1; null = full causal "
+                                    "attention)")
     attention: str = _f("mha", "mha: multi-head / grouped-query attention; mla: DeepSeek-V2/V3 "
                         "multi-head latent attention (keys and values from a cached latent)",
                         ATTENTIONS)

@@ -17,6 +17,11 @@ if TYPE_CHECKING:
 def warnings(c: Config) -> list[str]:
     """Settings that run but probably not as meant; the CLI prints each before training."""
     found = []
+    window = c.model.sliding_window
+    if window is not None and window >= c.data.seq_len:
+        found.append(f"model.sliding_window={window} is at least data.seq_len={c.data.seq_len}: "
+                     "every query already sees all earlier tokens, so the window changes "
+                     "nothing; lower it or set it to null.")
     if c.optim.warmup_steps > c.train.steps:
         found.append(f"optim.warmup_steps={c.optim.warmup_steps} exceeds train.steps="
                      f"{c.train.steps}: the learning rate rises for the whole run and ends at "
@@ -59,6 +64,10 @@ def validate(c: Config) -> None:
                 "model.fp8_amax_history": m.fp8_amax_history}
     for name, value in positive.items():
         _check(value > 0, f"{name}={value} must be a positive integer.")
+    _check(m.sliding_window is None or m.sliding_window > 0,
+           f"model.sliding_window={m.sliding_window} must be a positive number of keys (each "
+           "query's window, itself included; Mistral 7B v0.1: 4096) or null for full causal "
+           "attention.")
     _check(m.num_kv_heads is None or m.num_kv_heads > 0,
            f"model.num_kv_heads={m.num_kv_heads} must be positive or null (= num_heads).")
     _check(m.head_dim is not None or m.d_model % m.num_heads == 0,

@@ -10,7 +10,9 @@ second term is attention: per layer and token, q.k and p.v cost 2 * H * K multip
 attended position, and causal masking attends to (L + 1) / 2 positions on average. The factor 6
 is 2 (forward multiply-add) x 3 (forward + two backward matmuls). Recompute from remat is not
 model FLOPs; it is reported separately as hardware FLOPs where measured. Multi-head latent
-attention counts its down- and up-projections, and H * (K_qk + V) in the attention term.
+attention counts its down- and up-projections, and H * (K_qk + V) in the attention term. With a
+sliding window w < L (`model.sliding_window`) position i attends to min(i + 1, w) keys: on
+average (w (w + 1) / 2 + (L - w) w) / L, at most w, in place of (L + 1) / 2.
 """
 
 from __future__ import annotations
@@ -49,11 +51,19 @@ def matmul_params(m: ModelConfig, moe: MoEConfig | None = None) -> int:
     return total
 
 
+def attended_keys(seq_len: int, window: int | None = None) -> float:
+    """Keys a token attends to on average: (L + 1) / 2 causally; with a window w < L, the
+    first w positions see 1..w keys and the other L - w see w each."""
+    if window is None or window >= seq_len:
+        return (seq_len + 1) / 2
+    return (window * (window + 1) / 2 + (seq_len - window) * window) / seq_len
+
+
 def attention_forward_flops_per_token(m: ModelConfig, seq_len: int) -> float:
-    """Causal attention's two matmuls (scores, weighted values) over all layers, forward only:
-    a token attends to (seq_len + 1) / 2 keys on average."""
+    """Causal attention's two matmuls (scores, weighted values) over all layers, forward only,
+    over the keys a token attends to on average (`attended_keys`)."""
     per_key = m.num_heads * (m.qk_head_dim + m.value_head_dim)  # 2 H K without MLA
-    return 2 * m.num_layers * per_key * (seq_len + 1) / 2
+    return 2 * m.num_layers * per_key * attended_keys(seq_len, m.sliding_window)
 
 
 def training_flops_per_token(m: ModelConfig, seq_len: int, moe: MoEConfig | None = None) -> float:

@@ -10,7 +10,9 @@ and it reads the same parameters (`attn.wq`, ...), so training code is untouched
 
 Cache: `{"k", "v"}` each [N, B, S, G, K] (N layers in execution order, S the longest sequence the
 cache holds). New rows are written at `position` with `lax.dynamic_update_slice`, so one compiled
-step serves every position; slots past the current position are masked, never read. A
+step serves every position; slots past the current position are masked, never read, and so,
+with `model.sliding_window` w, are slots w or more before it (the cache still holds every
+position: no rolling buffer). A
 multi-head latent attention model (`model.attention=mla`) caches `{"latent", "k_pe"}` instead,
 [N, B, S, C] and [N, B, S, P], and attends with `mla.cached_attention`.
 
@@ -28,6 +30,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxtron.config import ModelConfig
+from jaxtron.kernels.reference import causal_mask
 from jaxtron.models.blocks import Block
 from jaxtron.models import mla
 from jaxtron.models.layers import Attention
@@ -55,16 +58,17 @@ def embed(embedder, tokens_BxL, position):
     return x_BxLxD
 
 
-def masked_attention(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, positions_L):
+def masked_attention(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, positions_L, window: int | None = None):
     """GQA attention of queries at `positions_L` over cache slots 0..S-1, each query seeing the
-    slots at or before its position (the kernels' causal mask assumes the keys end where the
-    queries end, which a partly filled cache does not)."""
+    slots at or before its position, and with a sliding window only the last `window` of them
+    (the kernels' causal mask assumes the keys end where the queries end, which a partly filled
+    cache does not)."""
     b, length, h, k = q_BxLxHxK.shape
     g = k_BxSxGxK.shape[2]
     q_BxLxGxRxK = q_BxLxHxK.reshape(b, length, g, h // g, k)
     logits_BxGxRxLxS = jnp.einsum("blgrk,bsgk->bgrls", q_BxLxGxRxK, k_BxSxGxK,
                                   preferred_element_type=jnp.float32) * k ** -0.5
-    visible_LxS = jnp.arange(k_BxSxGxK.shape[1])[None, :] <= positions_L[:, None]
+    visible_LxS = causal_mask(positions_L, jnp.arange(k_BxSxGxK.shape[1]), window)
     logits_BxGxRxLxS = jnp.where(visible_LxS, logits_BxGxRxLxS, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(logits_BxGxRxLxS, axis=-1).astype(v_BxSxGxK.dtype)
     out_BxLxGxRxK = jnp.einsum("bgrls,bsgk->blgrk", probs, v_BxSxGxK)
@@ -83,7 +87,7 @@ def cached_attention(attn: Attention, x_BxLxD, cache: dict, position):
     k_BxSxGxK = jax.lax.dynamic_update_slice(k_BxSxGxK, k_BxLxGxK, start)
     v_BxSxGxK = jax.lax.dynamic_update_slice(v_BxSxGxK, v_BxLxGxK, start)
     out_BxLxHxK = masked_attention(q_BxLxHxK, k_BxSxGxK.astype(dt), v_BxSxGxK.astype(dt),
-                                   positions_L)
+                                   positions_L, attn.cfg.sliding_window)
     out_BxLxD = attn.project_out(out_BxLxHxK)
     return out_BxLxD, {"k": k_BxLxGxK, "v": v_BxLxGxK}
 

@@ -159,14 +159,16 @@ class Attention(nnx.Module):
 
     def __call__(self, x_BxLxD, layout: TokenLayout = PLAIN):
         """`layout`: positions for RoPE, and the documents attention must not cross. The
-        causal mask is the kernel's (see `jaxtron.sharding.zigzag` for a reordered sequence)."""
+        causal mask, and `model.sliding_window`'s band, are the kernel's (see
+        `jaxtron.sharding.zigzag` for a reordered sequence)."""
         positions = layout.positions_for(x_BxLxD.shape[1])
         q_BxLxHxK, k_BxLxGxK, v_BxLxGxK = self.project_qkv(x_BxLxD, positions)
         q_BxLxHxK = constrain(q_BxLxHxK, ("batch", "seq", "heads", "head_dim"))
         k_BxLxGxK = constrain(k_BxLxGxK, ("batch", "seq", "kv_heads", "head_dim"))
         v_BxLxGxK = constrain(v_BxLxGxK, ("batch", "seq", "kv_heads", "head_dim"))
         out_BxLxHxK = attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, causal=True,
-                                segment_ids=layout.segment_ids, impl=self.cfg.attention_impl)
+                                segment_ids=layout.segment_ids, impl=self.cfg.attention_impl,
+                                window=self.cfg.sliding_window)
         return self.project_out(out_BxLxHxK)
 
 

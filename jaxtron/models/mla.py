@@ -38,6 +38,7 @@ from flax import nnx
 
 from jaxtron.config import ModelConfig
 from jaxtron.kernels import attention
+from jaxtron.kernels.reference import causal_mask
 from jaxtron.kernels.fp8 import einsum
 from jaxtron.models import rope
 from jaxtron.models.layers import fp8_histories, fp8_history, normal, param, rotary
@@ -128,7 +129,8 @@ class MLAttention(nnx.Module):
         q_BxLxHxK, k_BxLxHxK, v_BxLxHxV = (constrain(x, names)
                                            for x in (q_BxLxHxK, k_BxLxHxK, v_BxLxHxV))
         out_BxLxHxV = attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxV, causal=True,
-                                segment_ids=layout.segment_ids, impl=self.cfg.attention_impl)
+                                segment_ids=layout.segment_ids, impl=self.cfg.attention_impl,
+                                window=self.cfg.sliding_window)
         return self.project_out(out_BxLxHxV)
 
 
@@ -162,7 +164,8 @@ def cached_attention(attn: MLAttention, x_BxLxD, cache: dict, position):
                    preferred_element_type=jnp.float32)
         + jnp.einsum("blhp,bsp->bhls", q_pe_BxLxHxP, p_BxSxP,
                      preferred_element_type=jnp.float32)) * q_BxLxHxK.shape[-1] ** -0.5
-    visible_LxS = jnp.arange(latent_BxSxC.shape[1])[None, :] <= positions_L[:, None]
+    visible_LxS = causal_mask(positions_L, jnp.arange(latent_BxSxC.shape[1]),
+                              cfg.sliding_window)
     logits_BxHxLxS = jnp.where(visible_LxS, logits_BxHxLxS, jnp.finfo(jnp.float32).min)
     probs_BxHxLxS = jax.nn.softmax(logits_BxHxLxS, axis=-1).astype(dt)
     out_BxLxHxC = jnp.einsum("bhls,bsc->blhc", probs_BxHxLxS, latent_BxSxC)
