@@ -6,8 +6,9 @@
 
 Families, chosen on export from the config:
 - `LlamaForCausalLM`: a dense llama (Llama 2, 3, 3.1 with `rope_scaling`, 3.2 with tied
-  embeddings). `MistralForCausalLM` imports as one (its `sliding_window` cuts
-  `model.max_seq_len`, where windowed attention equals causal attention).
+  embeddings).
+- `MistralForCausalLM`: a dense llama with `model.sliding_window` (Mistral 7B v0.1: 4096;
+  later versions null, which imports as a llama and exports as `LlamaForCausalLM`).
 - `Qwen3ForCausalLM`: a dense llama with `model.qk_norm`.
 - `Qwen2ForCausalLM`: a dense llama with `model.qkv_bias` (q/k/v projection biases).
 - `MixtralForCausalLM`: an MoE block in every layer (`moe.every=1`), no shared experts,
@@ -21,6 +22,14 @@ Families, chosen on export from the config:
   routing (`n_group`, `topk_group`), `routed_scaling_factor` as `moe.route_scale`,
   `n_shared_experts` as `moe.shared_experts` and `e_score_correction_bias` as the MoE's
   `router_bias`. Multi-token-prediction layers are dropped.
+
+Sliding windows (`_sliding_window`): Mistral and Mixtral window every layer by `sliding_window`
+(query i sees keys i - w < j <= i, as `model.sliding_window`); the Qwen families only with
+`use_sliding_window`, and Qwen2 / Qwen3 then only in the layers at or after `max_window_layers`
+(or those `layer_types` names `sliding_attention`). One window for every layer or none is what
+jaxtron computes: a mix is refused. Export writes a windowed model as Mistral, Mixtral, or a
+Qwen family with `use_sliding_window` and `max_window_layers: 0`; Llama and DeepSeek-V3 have no
+window.
 
 Layout. A torch `Linear` stores its weight [out, in] and computes x @ W.T; ours are [in, out]
 with heads kept as their own axes (wq [D, H, K], wo [H, K, D]), and stacked over layers with a
@@ -59,15 +68,16 @@ MODEL_TYPES = {LLAMA: "llama", MIXTRAL: "mixtral", QWEN3_MOE: "qwen3_moe",
 DEFAULTS = {LLAMA: {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
                     "rope_theta": 10000.0},
             MIXTRAL: {"max_position_embeddings": 4096 * 32, "rms_norm_eps": 1e-5,
-                      "rope_theta": 1e6},
+                      "rope_theta": 1e6, "sliding_window": None},
             QWEN3: {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
-                    "rope_theta": 10000.0},
+                    "rope_theta": 10000.0, "sliding_window": 4096},
             QWEN2: {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
-                    "rope_theta": 10000.0},
+                    "rope_theta": 10000.0, "sliding_window": 4096},
             MISTRAL: {"max_position_embeddings": 4096 * 32, "rms_norm_eps": 1e-6,
-                      "rope_theta": 10000.0},
+                      "rope_theta": 10000.0, "sliding_window": 4096},
             QWEN3_MOE: {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
-                        "rope_theta": 10000.0, "norm_topk_prob": False},
+                        "rope_theta": 10000.0, "norm_topk_prob": False,
+                        "sliding_window": 4096},
             DEEPSEEK_V3: {"max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
                           "rope_theta": 10000.0, "norm_topk_prob": True,
                           "first_k_dense_replace": 3, "n_shared_experts": 1, "n_group": 8,
@@ -225,16 +235,20 @@ def _export_arch(config: Config) -> str:
     m, moe = config.model, config.moe
     if m.type != "llama":
         raise ConfigError(f"model.type={m.type} cannot be exported: only llama maps onto "
-                          "Hugging Face's Llama / Qwen3 / Mixtral / Qwen3-MoE / DeepSeek-V3; export a "
-                          "llama model, or use --format orbax.")
+                          "Hugging Face's Llama / Mistral / Qwen2 / Qwen3 / Mixtral / Qwen3-MoE / "
+                          "DeepSeek-V3; export a llama model, or use --format orbax.")
     if m.attention == "mla":
         arch = DEEPSEEK_V3
     elif moe.enabled:
         arch = QWEN3_MOE if m.qk_norm else MIXTRAL
     else:
-        arch = QWEN3 if m.qk_norm else QWEN2 if m.qkv_bias else LLAMA
+        arch = (QWEN3 if m.qk_norm else QWEN2 if m.qkv_bias else
+                MISTRAL if m.sliding_window is not None else LLAMA)
     _refuse(arch, [(not (m.qk_norm and m.qkv_bias), "model.qkv_bias=true",
-                    "Qwen3 (QK-norm) has no q/k/v biases; use model.qkv_bias=false")])
+                    "Qwen3 (QK-norm) has no q/k/v biases; use model.qkv_bias=false"),
+                   (arch != DEEPSEEK_V3 or m.sliding_window is None,
+                    f"model.sliding_window={m.sliding_window}",
+                    "DeepSeek-V3 attends to every earlier token; use model.sliding_window=null")])
     if not moe.enabled:
         return arch
     common = [(moe.every == 1, f"moe.every={moe.every}",
@@ -315,17 +329,22 @@ def to_hf(config: Config, params: dict) -> tuple[dict, dict[str, np.ndarray]]:
           "rms_norm_eps": m.norm_eps, "rope_theta": m.rope_theta, "rope_scaling": rope_to_hf(m),
           "hidden_act": "silu", "attention_bias": False, "tie_word_embeddings": m.tied_embeddings,
           "initializer_range": m.init_std, "torch_dtype": dtype}
-    if arch == MIXTRAL:
+    window = m.sliding_window
+    # Qwen: windowed layers are those from max_window_layers on, so 0 windows every layer.
+    qwen_window = dict(use_sliding_window=window is not None, sliding_window=window,
+                       max_window_layers=0 if window is not None else m.num_layers)
+    if arch == MISTRAL:
+        hf.update(sliding_window=window)
+    elif arch == MIXTRAL:
         hf.update(num_local_experts=moe.num_experts, num_experts_per_tok=moe.top_k,
-                  router_aux_loss_coef=moe.aux_loss_coef, sliding_window=None)
+                  router_aux_loss_coef=moe.aux_loss_coef, sliding_window=window)
     elif arch in (QWEN3, QWEN2):
-        hf.update(use_sliding_window=False, sliding_window=None, max_window_layers=m.num_layers)
+        hf.update(qwen_window)
     elif arch == QWEN3_MOE:
         hf.update(intermediate_size=m.mlp_dim, moe_intermediate_size=dims["F"],
                   num_experts=moe.num_experts, num_experts_per_tok=moe.top_k,
                   norm_topk_prob=moe.router == "topk_then_softmax", decoder_sparse_step=1,
-                  mlp_only_layers=[], router_aux_loss_coef=moe.aux_loss_coef,
-                  use_sliding_window=False, sliding_window=None)
+                  mlp_only_layers=[], router_aux_loss_coef=moe.aux_loss_coef, **qwen_window)
     elif arch == DEEPSEEK_V3:
         mla = dims["mla"]
         del hf["head_dim"]  # transformers derives it (qk_rope_head_dim)
@@ -371,6 +390,32 @@ REQUIRED = {LLAMA: ["intermediate_size"], QWEN3: ["intermediate_size"],
                                                     "num_experts_per_tok"],
             QWEN3_MOE: ["moe_intermediate_size", "num_experts", "num_experts_per_tok"],
             DEEPSEEK_V3: ["kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"]}
+
+
+def _sliding_window(arch: str, hf: dict) -> int | None:
+    """The window every layer of the HF model uses (None: full causal attention), or
+    ConfigError where some layers are windowed and others not (see the module doc)."""
+    if arch in (QWEN2, QWEN3, QWEN3_MOE):
+        if not hf.get("use_sliding_window", False):
+            return None
+    elif arch not in (MISTRAL, MIXTRAL):
+        return None  # transformers' Llama and DeepSeek-V3 ignore a sliding_window key
+    window = hf.get("sliding_window", DEFAULTS[arch]["sliding_window"])
+    if window is None or arch in (MISTRAL, MIXTRAL, QWEN3_MOE):  # every layer alike
+        return window
+    n, first = hf["num_hidden_layers"], hf.get("max_window_layers", 28)
+    types = hf.get("layer_types") or ["sliding_attention" if i >= first else "full_attention"
+                                      for i in range(n)]
+    windowed = sum(kind == "sliding_attention" for kind in types)
+    if windowed == 0:
+        return None
+    if windowed < len(types):
+        where = ("layer_types" if hf.get("layer_types") else f"max_window_layers={first}")
+        raise ConfigError(f"config.json windows {windowed} of {len(types)} layers "
+                          f"(use_sliding_window with {where}), which jaxtron cannot convert: "
+                          "model.sliding_window applies to every layer; convert a model that "
+                          "windows all layers or none.")
+    return window
 
 
 def _read_config(hf: dict) -> tuple[str, dict]:
@@ -427,7 +472,8 @@ def _read_config(hf: dict) -> tuple[str, dict]:
             "K": hf.get("head_dim") or hf["hidden_size"] // h,
             "F": hf.get("intermediate_size", 0), "V": hf["vocab_size"], "E": 0, "arch": arch,
             "dense_F": hf.get("intermediate_size", 0),
-            "tied": bool(hf.get("tie_word_embeddings", False))}
+            "tied": bool(hf.get("tie_word_embeddings", False)),
+            "window": _sliding_window(arch, hf)}
     if arch == MIXTRAL:
         dims["E"] = hf["num_local_experts"]
     elif arch == QWEN3_MOE:
@@ -474,12 +520,6 @@ def _overrides(arch: str, dims: dict, hf: dict, dtype: str) -> tuple[dict, dict]
     defaults = DEFAULTS[arch]
     get = lambda key: hf.get(key, defaults.get(key))  # noqa: E731
     max_seq_len = get("max_position_embeddings")
-    # Sliding-window attention equals full causal attention on sequences no longer than the
-    # window, so a windowed checkpoint converts with its sequence limit cut to the window.
-    windowed = (hf.get("use_sliding_window", True) if arch in (QWEN2, QWEN3, QWEN3_MOE)
-                else True)
-    if windowed and hf.get("sliding_window") is not None:
-        max_seq_len = min(max_seq_len, hf["sliding_window"])
     model = {"type": "llama", "num_layers": dims["N"], "d_model": dims["D"],
              "num_heads": dims["H"], "num_kv_heads": dims["G"],
              "head_dim": None if dims["K"] == dims["D"] // dims["H"] else dims["K"],
@@ -488,6 +528,7 @@ def _overrides(arch: str, dims: dict, hf: dict, dtype: str) -> tuple[dict, dict]
              "norm_eps": float(get("rms_norm_eps")), "param_dtype": dtype,
              "qk_norm": bool(dims.get("qk_norm")), **rope_from_hf(hf),
              **({"tie_embeddings": True} if dims.get("tied") else {}),
+             **({"sliding_window": dims["window"]} if dims.get("window") is not None else {}),
              **({"qkv_bias": True} if dims.get("qkv_bias") else {})}
     if "mla" in dims:
         mla = dims["mla"]
@@ -539,7 +580,7 @@ def from_hf(hf_config: dict, state_dict: dict) -> tuple[dict, dict, dict]:
 
     The overrides are `model.*` / `moe.*` config fields (e.g. `make_config(model=..., moe=...)`);
     the MoE runs dropless, as the HF models do. Tied embeddings stay tied (`model.tie_embeddings`); a
-    `sliding_window` shorter than max_position_embeddings becomes `model.max_seq_len`. A nonzero
+    `sliding_window` that HF applies to every layer becomes `model.sliding_window`. A nonzero
     DeepSeek `e_score_correction_bias` becomes the router bias, with moe.bias_update_rate=1e-3."""
     arch, dims = _read_config(hf_config)
     state_dict = dict(state_dict)

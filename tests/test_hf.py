@@ -22,7 +22,9 @@ MIXTRAL = {"model": {**LLAMA["model"], "num_heads": 8, "head_dim": 16},  # H*K !
            "moe": {"num_experts": 4, "top_k": 2, "mode": "dropless"}}
 QWEN3 = {"model": {**LLAMA["model"], "num_heads": 8, "head_dim": 16, "qk_norm": True}}
 QWEN2 = {"model": {**LLAMA["model"], "qkv_bias": True}}
-VARIANTS = {"llama": LLAMA, "mixtral": MIXTRAL, "qwen3": QWEN3, "qwen2": QWEN2}
+MISTRAL = {"model": {**LLAMA["model"], "sliding_window": 5}}  # shorter than the 12 test tokens
+VARIANTS = {"llama": LLAMA, "mixtral": MIXTRAL, "qwen3": QWEN3, "qwen2": QWEN2,
+            "mistral": MISTRAL}
 
 
 @functools.cache
@@ -64,12 +66,16 @@ def rotate_half(x):
 
 
 def hf_forward(cfg, sd, ids):
-    """LlamaForCausalLM / MixtralForCausalLM logits [T, V] for one sequence."""
+    """LlamaForCausalLM / MixtralForCausalLM logits [T, V] for one sequence; a sliding window
+    as Mistral and Qwen apply it: keys i - sliding_window < j <= i."""
     sd = {k: np.asarray(v, np.float64) for k, v in sd.items()}
     t, h, g = len(ids), cfg["num_attention_heads"], cfg["num_key_value_heads"]
     k_dim, eps = cfg["head_dim"], cfg["rms_norm_eps"]
     cos, sin = hf_rope_tables(cfg, t, k_dim)  # [T, K], with any rope_scaling
     causal = np.tril(np.ones((t, t), bool))
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+    if window is not None:
+        causal &= np.triu(np.ones((t, t), bool), 1 - window)
     x = sd["model.embed_tokens.weight"][ids]
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
@@ -107,7 +113,7 @@ def hf_forward(cfg, sd, ids):
     return rms_norm(x, sd["model.norm.weight"], eps) @ sd["lm_head.weight"].T
 
 
-@pytest.mark.parametrize("variant", ["llama", "mixtral", "qwen3", "qwen2"])
+@pytest.mark.parametrize("variant", ["llama", "mixtral", "qwen3", "qwen2", "mistral"])
 def test_logits_equal_an_independent_hf_forward(variant):
     config, trainer, state, pure = random_state(variant)
     hf_config, tensors = to_hf(config, pure)
@@ -118,14 +124,15 @@ def test_logits_equal_an_independent_hf_forward(variant):
     assert np.abs(reference).max() > 1.0  # the comparison is not between near-zero numbers
 
 
-@pytest.mark.parametrize("variant", ["llama", "mixtral", "qwen3", "qwen2"])
+@pytest.mark.parametrize("variant", ["llama", "mixtral", "qwen3", "qwen2", "mistral"])
 @pytest.mark.parametrize("shard_bytes", [None, 60_000], ids=["single", "sharded"])
 def test_round_trip_through_files_is_exact(variant, shard_bytes, tmp_path):
     config, _, _, pure = random_state(variant)
     hf_config, tensors = to_hf(config, pure)
     assert hf_config["architectures"] == [{"mixtral": "MixtralForCausalLM", "llama":
                                            "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                                           "qwen2": "Qwen2ForCausalLM"}[variant]]
+                                           "qwen2": "Qwen2ForCausalLM",
+                                           "mistral": "MistralForCausalLM"}[variant]]
     assert tensors["model.layers.1.self_attn.q_proj.weight"].shape == (
         config.model.num_heads * config.model.resolved_head_dim, 64)
     save_hf_dir(tmp_path, hf_config, tensors, max_shard_bytes=shard_bytes)
@@ -171,11 +178,14 @@ def test_tied_and_windowed_checkpoints_and_missing_files(tmp_path):
     model, _, params = from_hf({**hf_config, "tie_word_embeddings": True}, tied)
     assert model["tie_embeddings"] and "lm_head" not in params["head"]  # stays tied
     model, _, _ = from_hf({**hf_config, "sliding_window": 128}, tensors)
-    assert model["max_seq_len"] == 128  # windowed attention == causal up to the window
+    assert "sliding_window" not in model  # transformers' Llama has no window: ignored
     mistral = {**hf_config, "architectures": ["MistralForCausalLM"], "model_type": "mistral",
                "sliding_window": 4096}
     model, _, params = from_hf(mistral, tensors)
-    assert model["max_seq_len"] == min(4096, hf_config["max_position_embeddings"])
+    assert model["sliding_window"] == 4096  # Mistral 7B v0.1
+    assert model["max_seq_len"] == hf_config["max_position_embeddings"]
+    model, _, _ = from_hf({**mistral, "sliding_window": None}, tensors)  # v0.2 and later
+    assert "sliding_window" not in model
     jax.tree.map(np.testing.assert_array_equal, params, pure)
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(DataError, match="neither model.safetensors nor"):
