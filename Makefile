@@ -18,8 +18,9 @@ $(STAMP): pyproject.toml
 train: $(STAMP)
 	$(CPU_DEVICES) $(PY) -m jaxtron.train --config configs/tiny.yaml $(ARGS)
 
+# Two pytest workers (pytest-xdist): the tests mostly compile, one core each.
 test: $(STAMP)
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q -n 2 --dist worksteal $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
