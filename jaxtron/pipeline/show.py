@@ -2,9 +2,12 @@
 
     python -m jaxtron.pipeline.show --stages 4 --microbatches 8 --schedule 1f1b
     python -m jaxtron.pipeline.show --stages 4 --microbatches 8 --schedule interleaved --virtual 2
+    python -m jaxtron.pipeline.show --stages 4 --microbatches 8 --schedule zb-h1
 
 Each row is a pipeline rank, each column a tick (one forward or one backward of one
-microbatch chunk): `F3` / `B3` run microbatch 3 (`F3.1`: chunk 1), `.` is idle.
+microbatch chunk): `F3` / `B3` run microbatch 3 (`F3.1`: chunk 1), `.` is idle. With the
+split-backward schedule `zb-h1` a tick is one F, one B (input gradient) or one W (weight
+gradient). Every table shown is first checked by `jaxtron.pipeline.validate`.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from jaxtron.pipeline import split_backward, validate
 from jaxtron.pipeline.schedule import SCHEDULES, build_table, render
 
 
@@ -20,7 +24,8 @@ def main(argv=None) -> int:
                                      description="Show a pipeline schedule and its bubble.")
     parser.add_argument("--stages", type=int, required=True)
     parser.add_argument("--microbatches", type=int, required=True)
-    parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
+    parser.add_argument("--schedule", choices=SCHEDULES + split_backward.SPLIT_SCHEDULES,
+                        default="1f1b")
     parser.add_argument("--virtual", type=int, default=1, help="chunks per rank (interleaved)")
     args = parser.parse_args(argv)
     p, m, v = args.stages, args.microbatches, args.virtual
@@ -28,13 +33,28 @@ def main(argv=None) -> int:
         parser.error("interleaved needs --virtual >= 2 and --microbatches a multiple of --stages")
     if args.schedule != "interleaved" and v != 1:
         parser.error("--virtual > 1 needs --schedule interleaved")
+    if args.schedule in split_backward.SPLIT_SCHEDULES:
+        return show_split(args.schedule, p, m)
     table = build_table(args.schedule, p, m, v)
+    validate.check(table)
     print(render(table))
     formula = (p - 1) / (v * m + p - 1)
     print(f"{args.schedule}: {p} stages, {m} microbatches, {v} chunk(s) per rank: "
           f"{table.ticks} ticks, bubble {table.bubble:.4f} "
           f"(formula (p-1)/(v*m+p-1) = {formula:.4f}); activations held per rank at most "
           f"{table.act_slots}")
+    return 0
+
+
+def show_split(schedule: str, p: int, m: int) -> int:
+    table = split_backward.split_table(schedule, p, m)
+    checked = validate.check(table)
+    print(split_backward.render(table))
+    print(f"{schedule}: {p} stages, {m} microbatches, F = B = W = one tick: {table.ticks} "
+          f"ticks, bubble {table.bubble:.4f} (formula (p-1)/(3m+p-1) = "
+          f"{split_backward.bubble_formula(p, m):.4f}; 1F1B in the same units: (p-1)/(m+p-1) = "
+          f"{(p - 1) / (m + p - 1):.4f}); microbatches held per rank at most "
+          f"{max(checked.peak_in_flight)} (1F1B: {min(p, m)})")
     return 0
 
 

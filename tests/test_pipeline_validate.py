@@ -1,0 +1,76 @@
+"""The tick-table validator on every schedule, and the zero-bubble ZB-H1 table against the
+paper's bubble formula and 1F1B's memory (Qi et al., ICLR 2024). Plain numpy, no devices."""
+
+import dataclasses
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from jaxtron.pipeline import split_backward
+from jaxtron.pipeline.schedule import build_table, forward_table
+from jaxtron.pipeline.validate import ScheduleError, check
+
+
+@pytest.mark.parametrize("schedule, p, v, m", [
+    ("gpipe", 2, 1, 3), ("gpipe", 4, 1, 8), ("1f1b", 2, 1, 1), ("1f1b", 4, 1, 3),
+    ("1f1b", 4, 1, 8), ("1f1b", 8, 1, 16), ("interleaved", 2, 2, 4), ("interleaved", 4, 2, 8),
+    ("interleaved", 4, 3, 4)])
+def test_every_engine_schedule_passes_and_holds_what_its_formula_says(schedule, p, v, m):
+    result = check(build_table(schedule, p, m, v))
+    if schedule == "gpipe":
+        assert result.peak_in_flight == (m,) * p
+    elif schedule == "1f1b":  # rank d: its p - d - 1 warm-up forwards and one more
+        assert result.peak_in_flight == tuple(min(p - d, m) for d in range(p))
+    else:  # Megatron's interleaved warm-up: 2(p - d - 1) + (v - 1)p chunk forwards, and one more
+        assert result.peak_in_flight == tuple(min(2 * (p - d - 1) + (v - 1) * p + 1, v * m)
+                                              for d in range(p))
+    check(forward_table(p, m, v), training=False)
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+@pytest.mark.parametrize("m", [8, 16, 32])
+def test_zb_h1_bubble_is_the_papers_and_its_memory_is_1f1bs(p, m):
+    table = split_backward.split_table("zb-h1", p, m)
+    result = check(table)
+    # (p-1)(T_F + T_B - T_W) idle ticks per rank out of 3m busy ones, T_F = T_B = T_W = 1
+    assert table.ticks == 3 * m + p - 1
+    assert table.bubble == pytest.approx((p - 1) / (3 * m + p - 1))
+    assert table.bubble == pytest.approx(split_backward.bubble_formula(p, m))
+    assert table.bubble < (p - 1) / (m + p - 1) / 2  # 1F1B's, counted in the same units
+    assert result.peak_in_flight == (p,) * p  # 1F1B's peak (rank 0's), on every rank
+
+
+@pytest.mark.parametrize("p, m", [(4, 2), (8, 3), (2, 1)])
+def test_zb_h1_with_fewer_microbatches_than_stages_is_still_valid(p, m):
+    check(split_backward.split_table("zb-h1", p, m))
+
+
+def test_broken_tables_are_refused():
+    table = build_table("1f1b", 4, 8)
+    kind = table.kind.copy()
+    t, d = np.argwhere(kind == 2)[0]  # the first backward, moved onto tick 0
+    early = kind.copy()
+    early[0, d], early[t, d] = kind[t, d], kind[0, d]
+    micro = table.microbatch.copy()
+    micro[0, d], micro[t, d] = table.microbatch[t, d], table.microbatch[0, d]
+    with pytest.raises(ScheduleError, match="before its input"):
+        check(dataclasses.replace(table, kind=early, microbatch=micro))
+    dropped = kind.copy()
+    dropped[t, d] = 0
+    with pytest.raises(ScheduleError, match="never runs"):
+        check(dataclasses.replace(table, kind=dropped))
+    split = split_backward.split_table("zb-h1", 4, 8)
+    t, d = np.argwhere(split.kind == split_backward.WEIGHT_GRAD)[0]
+    twice = split.microbatch.copy()
+    twice[t, d] = twice[t, d] + 1  # one W of another microbatch instead: it runs twice
+    with pytest.raises(ScheduleError):
+        check(dataclasses.replace(split, microbatch=twice))
+
+
+def test_show_draws_zb_h1_with_its_bubble():
+    out = subprocess.run([sys.executable, "-m", "jaxtron.pipeline.show", "--stages", "4",
+                          "--microbatches", "8", "--schedule", "zb-h1"],
+                         capture_output=True, text=True, check=True).stdout
+    assert "W7" in out and "bubble 0.1111" in out and "1F1B in the same units" in out
