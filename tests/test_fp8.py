@@ -28,6 +28,16 @@ def numpy_quantize(x, dtype, amax=None):
                       np.float64), scale
 
 
+def assert_quantised_products(spec, got, x, w, g):
+    """(y, dx, dw) equal the products of the numpy-quantised (value, scale) pairs."""
+    (xq, sx), (wq, sw), (gq, sg) = x, w, g
+    a, b, out = spec.replace("->", ",").split(",")
+    want = (np.einsum(spec, xq, wq) * sx * sw, np.einsum(f"{out},{b}->{a}", gq, wq) * sg * sw,
+            np.einsum(f"{a},{out}->{b}", xq, gq) * sx * sg)
+    for name, value, expected in zip(("y", "dx", "dw"), got, want):
+        np.testing.assert_allclose(value, expected, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
 def test_forward_and_gradients_equal_the_quantised_products():
     rng = np.random.default_rng(0)
     x = rng.normal(size=(2, 5, 16)).astype(np.float32)
@@ -35,15 +45,8 @@ def test_forward_and_gradients_equal_the_quantised_products():
     g = rng.normal(size=(2, 5, 4, 8)).astype(np.float32)
     y, vjp = jax.vjp(lambda a, b: fp8_einsum("bld,dhk->blhk", a, b), x, w)
     dx, dw = vjp(jnp.asarray(g))
-    xq, sx = numpy_quantize(x, E4M3)
-    wq, sw = numpy_quantize(w, E4M3)
-    gq, sg = numpy_quantize(g, E5M2)
-    np.testing.assert_allclose(y, np.einsum("bld,dhk->blhk", xq, wq) * sx * sw, rtol=1e-5,
-                               atol=1e-5)
-    np.testing.assert_allclose(dx, np.einsum("blhk,dhk->bld", gq, wq) * sg * sw, rtol=1e-5,
-                               atol=1e-5)
-    np.testing.assert_allclose(dw, np.einsum("bld,blhk->dhk", xq, gq) * sx * sg, rtol=1e-5,
-                               atol=1e-5)
+    assert_quantised_products("bld,dhk->blhk", (y, dx, dw), numpy_quantize(x, E4M3),
+                              numpy_quantize(w, E4M3), numpy_quantize(g, E5M2))
     exact = np.einsum("bld,dhk->blhk", x, w)
     error = np.abs(np.asarray(y) - exact).max() / np.abs(exact).max()
     assert 1e-4 < error < 0.1  # quantised, not exact, and not wrong
@@ -60,15 +63,9 @@ def test_delayed_scales_come_from_the_history_and_the_amaxes_come_back():
     y, vjp = jax.vjp(lambda a, b, h: fp8_delayed_einsum("bld,df->blf", a, b, h), x, w,
                      jnp.asarray(history))
     dx, dw, observed = vjp(jnp.asarray(g))
-    xq, sx = numpy_quantize(x, E4M3, amax=2.0)
-    wq, sw = numpy_quantize(w, E4M3, amax=9.0)
-    gq, sg = numpy_quantize(g, E5M2, amax=7.0)
-    np.testing.assert_allclose(y, np.einsum("bld,df->blf", xq, wq) * sx * sw, rtol=1e-5,
-                               atol=1e-5)
-    np.testing.assert_allclose(dx, np.einsum("blf,df->bld", gq, wq) * sg * sw, rtol=1e-5,
-                               atol=1e-5)
-    np.testing.assert_allclose(dw, np.einsum("bld,blf->df", xq, gq) * sx * sg, rtol=1e-5,
-                               atol=1e-5)
+    assert_quantised_products("bld,df->blf", (y, dx, dw), numpy_quantize(x, E4M3, amax=2.0),
+                              numpy_quantize(w, E4M3, amax=9.0),
+                              numpy_quantize(g, E5M2, amax=7.0))
     np.testing.assert_array_equal(observed[0], [np.abs(a).max() for a in (x, w, g)])
     np.testing.assert_array_equal(observed[1:], 0)
     # An empty history (the first step) scales by the current amaxes, as tensorwise does.

@@ -315,12 +315,14 @@ def test_train_step_permutes_nothing_per_layer():
     assert ring_bytes <= traffic.sent("collective-permute", ("sequence",)) < 1.01 * ring_bytes
 
 
-def assert_same_loss_and_grads(config, single):
+def assert_same_loss_and_grads(config, single, devices=None):
+    """`config` on `devices` (default: all) and `single` on one device: equal loss and
+    gradients on the same random batch."""
     batch = {"tokens": np.asarray(jax.random.randint(jax.random.key(0), (
         config.train.batch_size, config.data.seq_len + 1), 0, config.model.vocab_size))}
     results = []
-    for c, devices in ((config, None), (single, jax.devices()[:1])):
-        trainer = Trainer(c, devices=devices)
+    for c, on in ((config, devices), (single, jax.devices()[:1])):
+        trainer = Trainer(c, devices=on)
         state = trainer.init_state()
         loss, grads = trainer.loss_and_grads(state.params, trainer.put_batch(batch))
         results.append((float(loss), jax.device_get(jax.tree.leaves(grads))))

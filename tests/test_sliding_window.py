@@ -31,6 +31,7 @@ from jaxtron.models import Transformer
 from jaxtron.trainer import Trainer
 
 from conftest import make_config
+from test_ring import assert_same_loss_and_grads
 from test_flash import inputs, output_and_grads, packed
 from test_lowering import FLASH_KERNELS, TPU_KERNEL, TRITON, forward_and_backward
 from test_lowering import lowered_text, shapes
@@ -177,17 +178,8 @@ def test_data_by_sequence_mesh_equals_one_device():
     of one device."""
     sections = dict(model={"num_layers": 1, "max_seq_len": 64, "sliding_window": 12},
                     data={"seq_len": 64}, train={"batch_size": 2})
-    tokens = np.asarray(jax.random.randint(jax.random.key(0), (2, 65), 0, 256))
-    results = []
-    for mesh, devices in (({"mesh.data": 2, "mesh.sequence": 2}, 4), ({"mesh.data": 1}, 1)):
-        trainer = Trainer(make_config(mesh, **sections), devices=jax.devices()[:devices])
-        state = trainer.init_state()
-        loss, grads = trainer.loss_and_grads(state.params, trainer.put_batch({"tokens": tokens}))
-        results.append((float(loss), jax.device_get(jax.tree.leaves(grads))))
-    (loss, grads), (want_loss, want_grads) = results
-    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
-    for g, w in zip(grads, want_grads, strict=True):
-        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6)
+    assert_same_loss_and_grads(make_config({"mesh.data": 2, "mesh.sequence": 2}, **sections),
+                               make_config({"mesh.data": 1}, **sections), jax.devices()[:4])
 
 
 def test_windowed_kernels_lower_for_gpus_and_tpus():

@@ -68,8 +68,21 @@ def _one_forward_one_backward(forwards, backwards, warmup: int) -> list[Action]:
     return order + list(backwards[len(forwards) - warmup:])
 
 
+class TickTable:
+    """What every tick table shares: `kind` is [ticks, ranks], 0 where a rank idles."""
+    kind: np.ndarray
+
+    @property
+    def ticks(self) -> int:
+        return self.kind.shape[0]
+
+    @property
+    def bubble(self) -> float:
+        return float(np.mean(self.kind == IDLE))
+
+
 @dataclasses.dataclass(frozen=True)
-class Table:
+class Table(TickTable):
     """Per tick and device: action kind, microbatch, chunk, and buffer slots.
 
     act_slot / grad_slot: where the input activation / incoming gradient of the action is.
@@ -88,14 +101,6 @@ class Table:
     stages: int
     virtual: int
     microbatches: int
-
-    @property
-    def ticks(self) -> int:
-        return self.kind.shape[0]
-
-    @property
-    def bubble(self) -> float:
-        return float(np.mean(self.kind == IDLE))
 
 
 def build_table(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> Table:

@@ -26,26 +26,20 @@ import dataclasses
 
 import numpy as np
 
+from jaxtron.pipeline.schedule import TickTable
+
 IDLE, FORWARD, INPUT_GRAD, WEIGHT_GRAD = 0, 1, 3, 4
 SPLIT_SCHEDULES = ("zb-h1",)
 LETTERS = {FORWARD: "F", INPUT_GRAD: "B", WEIGHT_GRAD: "W"}
 
 
 @dataclasses.dataclass(frozen=True)
-class SplitTable:
+class SplitTable(TickTable):
     """Per tick and rank: action kind (IDLE, FORWARD, INPUT_GRAD, WEIGHT_GRAD) and microbatch."""
     kind: np.ndarray
     microbatch: np.ndarray
     stages: int
     microbatches: int
-
-    @property
-    def ticks(self) -> int:
-        return self.kind.shape[0]
-
-    @property
-    def bubble(self) -> float:
-        return float(np.mean(self.kind == IDLE))
 
 
 def device_orders(schedule: str, stages: int, microbatches: int) -> list[list[tuple[int, int]]]:
