@@ -6,8 +6,8 @@
 Three parts, each its own process with its own time limit, about 7 minutes in all on one GPU:
 
 1. tests: `pytest -m gpu` (tests/test_gpu.py): the Triton flash kernels and cuDNN against the
-   reference at bf16 tolerance, forward and backward; bf16 training steps against the fp32 step;
-   1F1B on two GPUs where there are two;
+   reference at bf16 tolerance, forward and backward, also with a sliding window; bf16 training
+   steps against the fp32 step, fp8 steps against bf16; 1F1B on two GPUs where there are two;
 2. kernels: `python -m jaxtron.kernels.bench` at 1k-32k tokens, bf16, causal: TFLOP/s of
    jaxtron's Triton kernel, cuDNN and JAX's own Pallas/Triton attention, with the ratios;
 3. training: `python -m jaxtron.bench` on configs/llama-1b.yaml (1.1B parameters, bf16 by

@@ -49,15 +49,16 @@ def output_and_grads(fn, q, k, v, cotangent):
     return out, grads
 
 
-def check(q, k, v, cotangent, *, causal, segment_ids=None, tol=1e-5, **blocks):
+def check(q, k, v, cotangent, *, causal, segment_ids=None, tol=1e-5, window=None, **blocks):
     got = output_and_grads(lambda *a: flash_attention(*a, causal=causal, segment_ids=segment_ids,
-                                                      **blocks), q, k, v, cotangent)
+                                                      window=window, **blocks),
+                           q, k, v, cotangent)
     # The reference sees fp32 copies of the same (possibly bf16-rounded) inputs: the comparison
     # then measures only the kernel's own rounding.
     f32 = [x.astype(jnp.float32) for x in (q, k, v)]
     want = output_and_grads(lambda *a: reference_attention(*a, causal=causal,
-                                                           segment_ids=segment_ids), *f32,
-                            cotangent)
+                                                           segment_ids=segment_ids,
+                                                           window=window), *f32, cotangent)
     assert got[0].dtype == q.dtype
     for name, g, w in zip(("out", "dq", "dk", "dv"), (got[0], *got[1]), (want[0], *want[1])):
         assert g.shape == w.shape, name

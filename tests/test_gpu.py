@@ -55,6 +55,26 @@ def test_cudnn_matches_reference_bf16():
                                    atol=BF16_TOL * float(jnp.abs(w).max()), err_msg=name)
 
 
+@pytest.mark.parametrize("segments", [False, True])
+def test_triton_flash_with_a_sliding_window_matches_reference_bf16(segments):
+    # A 200-key window over 1000 tokens: the band crosses tile edges and skips whole tiles.
+    q, k, v, cotangent = inputs(heads=8, kv_heads=2, length=1000, dim=128, dtype=jnp.bfloat16)
+    check(q, k, v, cotangent, causal=True, window=200, tol=BF16_TOL,
+          segment_ids=packed(2, 1000) if segments else None)
+
+
+@pytest.mark.skipif(local_platform() != "cuda", reason="cuDNN needs an NVIDIA GPU")
+def test_cudnn_with_a_sliding_window_matches_reference_bf16():
+    q, k, v, cotangent = inputs(heads=8, kv_heads=2, length=1024, dim=128, dtype=jnp.bfloat16)
+    got = output_and_grads(lambda *a: attention(*a, causal=True, impl="cudnn", window=256),
+                           q, k, v, cotangent)
+    want = output_and_grads(lambda *a: reference_attention(*a, causal=True, window=256),
+                            *[x.astype(jnp.float32) for x in (q, k, v)], cotangent)
+    for name, g, w in zip(("out", "dq", "dk", "dv"), (got[0], *got[1]), (want[0], *want[1])):
+        np.testing.assert_allclose(np.asarray(g, np.float32), w, rtol=BF16_TOL,
+                                   atol=BF16_TOL * float(jnp.abs(w).max()), err_msg=name)
+
+
 def train(overrides: dict, steps: int = 3, devices=None):
     config = make_config({"optim.lr": 1e-2, "optim.warmup_steps": 1, **overrides},
                          model={"num_layers": 4, "d_model": 256, "num_heads": 4,
@@ -81,6 +101,15 @@ def test_bf16_train_step_tracks_the_fp32_step(impl):
                         "mesh.data": 1})
     assert len(set(fp32)) == 3, fp32  # the updates changed the loss
     np.testing.assert_allclose(bf16, fp32, rtol=BF16_TOL)
+
+
+@pytest.mark.parametrize("mode", ["tensorwise", "delayed"])
+def test_fp8_train_steps_track_the_bf16_steps(mode):
+    """fp8 matmuls (cuBLASLt fp8 GEMMs on Hopper) against bf16 over three updates: within a
+    few percent, as the CPU run of tests/test_fp8.py is after 40 steps."""
+    _, fp8, _ = train({"model.fp8": mode, "mesh.data": 1})
+    _, bf16, _ = train({"mesh.data": 1})
+    np.testing.assert_allclose(fp8, bf16, rtol=0.03)
 
 
 @pytest.mark.skipif(len([d for d in jax.devices() if d.platform != "cpu"]) < 2,
