@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU acceptance for one machine with an NVIDIA GPU: installs jaxtron with CUDA 12 wheels into
 # .venv-gpu (once), then runs the GPU tests, the attention kernel benchmark and the training
-# benchmark, writing every result to gpu_check.json (about 7 minutes on one GPU).
+# benchmark, writing every result to gpu_check.json (about 4 minutes on one H200).
 #   scripts/gpu_check.sh [--out FILE] [--parts tests,kernels,training]
 # GPU_PYTHON=python3 scripts/gpu_check.sh uses an interpreter that already has JAX with CUDA
 # (a machine with no package index) instead of building the venv.
