@@ -49,7 +49,7 @@ class ModelConfig:
     mlp_dim: int = _f(512, "hidden width of the feed-forward block")
     vocab_size: int = _f(256, "embedding rows; must cover the data's tokenizer")
     max_seq_len: int = _f(2048, "longest sequence the position encoding supports")
-    fp8: str = _f("none", "matmuls of the projections, MLPs and (capacity-mode) experts in "
+    fp8: str = _f("none", "matmuls of the projections, MLPs and experts in "
                   "fp8: e4m3 forward, e5m2 gradients, per-tensor scales, current (tensorwise) "
                   "or from an amax history (delayed; experts keep current scales) "
                   "(jaxtron/kernels/fp8.py); embedding, head and attention stay",

@@ -14,7 +14,8 @@ from flax import nnx
 from jaxtron import config as config_lib
 from jaxtron.checkpoint import CheckpointError, Checkpointer
 from jaxtron.export import load_params, save_params
-from jaxtron.kernels.fp8 import E4M3, E5M2, fp8_delayed_einsum, fp8_einsum
+from jaxtron.kernels.fp8 import (E4M3, E5M2, fp8_delayed_einsum, fp8_einsum,
+                                  fp8_grouped_matmul)
 from jaxtron.trainer import Trainer
 
 from conftest import make_config
@@ -74,6 +75,28 @@ def test_delayed_scales_come_from_the_history_and_the_amaxes_come_back():
                                   fp8_einsum("bld,df->blf", x, w))
 
 
+def test_dropless_experts_grouped_matmul_equals_the_quantised_products():
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(2, 6, 8)).astype(np.float32)
+    w = rng.normal(size=(3, 8, 5)).astype(np.float32)
+    g = rng.normal(size=(2, 6, 5)).astype(np.float32)
+    sizes = np.array([[2, 1, 3], [0, 4, 2]], np.int32)
+    y, vjp = jax.vjp(lambda a, b: fp8_grouped_matmul(a, b, jnp.asarray(sizes)), x, w)
+    dx, dw = vjp(jnp.asarray(g))
+    (xq, sx), (wq, sw), (gq, sg) = (numpy_quantize(x, E4M3), numpy_quantize(w, E4M3),
+                                    numpy_quantize(g, E5M2))
+    # Row b's assignments a belong to experts in the order of sizes[b]: a plain loop.
+    want_y, want_dx, want_dw = np.zeros(y.shape), np.zeros(x.shape), np.zeros(w.shape)
+    for b in range(2):
+        expert_of = np.repeat(np.arange(3), sizes[b])
+        for a, e in enumerate(expert_of):
+            want_y[b, a] = xq[b, a] @ wq[e] * sx * sw
+            want_dx[b, a] = wq[e] @ gq[b, a] * sw * sg
+            want_dw[e] += np.outer(xq[b, a], gq[b, a]) * sx * sg
+    for name, got, want in (("y", y, want_y), ("dx", dx, want_dx), ("dw", dw, want_dw)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
 def run(fp8, steps, mesh=None, devices=1, moe=None, **settings):
     config = make_config({"train.steps": steps, **settings},
                          model={"fp8": fp8, "fp8_amax_history": 4}, moe=moe or {},
@@ -111,6 +134,9 @@ def test_fp8_training_tracks_fp32():
     # experts in fp8 inside the all-to-all shard_map: amax over the whole tensor, and the
     # weight gradients summed over the batch axes
     ("tensorwise", {"data": 2, "expert": 2}, {"num_experts": 4, "top_k": 2}, {}),
+    # dropless experts: one grouped matmul per sequence, rows split over data and fsdp
+    ("tensorwise", {"data": 2, "fsdp": 2}, {"num_experts": 4, "top_k": 2, "mode": "dropless"},
+     {}),
     ("delayed", {"data": 2, "fsdp": 2, "tensor": 2}, None, {}),
     # accumulation and one data-parallel reduction per step (ZeRO-2): amaxes reduced by max
     ("delayed", {"data": 2, "fsdp": 2}, None, {"optim.grad_accum": 2, "optim.zero_stage": 2}),
@@ -161,10 +187,14 @@ def test_delayed_fp8_on_a_pipeline_is_refused():
         make_config(model={"fp8": "delayed"}, mesh={"stage": 2})
 
 
-@pytest.mark.parametrize("mode", ["tensorwise", "delayed"])
-def test_a_cuda_lowered_step_multiplies_fp8(mode):
-    trainer = Trainer(make_config(model={"fp8": mode}), platform="cuda")
+@pytest.mark.parametrize("mode, moe", [("tensorwise", {}), ("delayed", {}),
+                                       ("tensorwise", {"num_experts": 4, "mode": "dropless"})])
+def test_a_cuda_lowered_step_multiplies_fp8(mode, moe):
+    trainer = Trainer(make_config(model={"fp8": mode}, moe=moe), platform="cuda")
     text = trainer.lower_step().as_text()
     dots = [line for line in text.splitlines() if "dot_general" in line]
     assert any("f8E4M3FN" in line for line in dots)
     assert any("f8E5M2" in line for line in dots)  # the gradients' format
+    if moe:  # the experts' grouped matmuls, forward and both transposes
+        grouped = [line for line in text.splitlines() if "ragged_dot" in line]
+        assert len(grouped) >= 9 and all("f8E" in line for line in grouped)

@@ -128,6 +128,60 @@ def _sum_to(gradient, like):
 fp8_einsum.defvjp(_forward, _backward)
 
 
+# Dropless experts' grouped matmul (models/moe.py): x[B, A, D] ragged along A per row b (group
+# sizes [B, E]) times w[E, D, F]; and its two transposes, as JAX's own ragged_dot_general
+# transpose rules write them: dx[B, A, D] = g[B, A, F] x w[E, D, F] grouped the same way, and
+# dw[E, D, F] = x^T g contracted over (B, A) within each group.
+GROUPED = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([2], [1]), ([], [])), lhs_ragged_dimensions=[1],
+    rhs_group_dimensions=[0])
+_GROUPED_DX = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([2], [2]), ([], [])), lhs_ragged_dimensions=[1],
+    rhs_group_dimensions=[0])
+_GROUPED_DW = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([0, 1], [0, 1]), ([], [])), lhs_ragged_dimensions=[1],
+    rhs_group_dimensions=[])
+
+
+def _ragged(a, b, sizes, numbers):
+    return jax.lax.ragged_dot_general(a, b, sizes, numbers,
+                                      preferred_element_type=jnp.float32)
+
+
+@jax.custom_vjp
+def fp8_grouped_matmul(x_BxAxD, w_ExDxF, sizes_BxE):
+    """The dropless experts' grouped matmul through fp8 with current per-tensor scales, as
+    `fp8_einsum` (e4m3 operands, e5m2 output gradient)."""
+    return _grouped_forward(x_BxAxD, w_ExDxF, sizes_BxE)[0]
+
+
+def _grouped_forward(x, w, sizes):
+    xq, sx = quantize(x, E4M3)
+    wq, sw = quantize(w, E4M3)
+    y = (_ragged(xq, wq, sizes, GROUPED) * (sx * sw)).astype(x.dtype)
+    return y, (xq, sx, wq, sw, sizes, x.reshape(-1)[:0], w.reshape(-1)[:0])
+
+
+def _grouped_backward(residuals, g):
+    xq, sx, wq, sw, sizes, x_like, w_like = residuals
+    gq, sg = quantize(g, E5M2)
+    dx = _ragged(gq, wq, sizes, _GROUPED_DX) * (sg * sw)
+    dw = _ragged(xq, gq, sizes, _GROUPED_DW) * (sx * sg)
+    dx, dw = (_sum_to(d, like) for d, like in ((dx, x_like), (dw, w_like)))
+    return dx.astype(x_like.dtype), dw.astype(w_like.dtype), None
+
+
+fp8_grouped_matmul.defvjp(_grouped_forward, _grouped_backward)
+
+
+def grouped_matmul(x_BxAxD, w_ExDxF, sizes_BxE, fp8: str = "none"):
+    """y[b, a] = x[b, a] @ w[e] for the expert e whose group (in row b's order) holds a: plain,
+    or through fp8 (`model.fp8`; experts scale by current amaxes in both fp8 modes)."""
+    if fp8 == "none":
+        return jax.lax.ragged_dot_general(x_BxAxD, w_ExDxF, sizes_BxE, GROUPED)
+    return fp8_grouped_matmul(x_BxAxD, w_ExDxF, sizes_BxE)
+
+
 def _delayed(history_col, current):
     """The amax a delayed scale uses: the history's largest, or the current one while the
     history is still empty."""

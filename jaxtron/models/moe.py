@@ -42,6 +42,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxtron.config import ModelConfig, MoEConfig
+from jaxtron.kernels.fp8 import grouped_matmul
 from jaxtron.models.activations import swiglu
 from jaxtron.models.layers import MLP, normal, param
 from jaxtron.sharding.experts import expert_ffn, expert_parallel_active
@@ -165,20 +166,6 @@ def capacity_slots(experts_BxLxK, num_experts: int, slots: int, positions_L=None
     return slot_BxLxK, slot_BxLxK < slots
 
 
-# Mode 1 of ragged_dot_general with one extra outer dimension: lhs [B, A, D] is ragged along A
-# in every row b (group sizes [B, E]), rhs [E, D, F] is grouped by expert. The batch row is a
-# plain non-contracting dimension, so GSPMD splits it like any batch axis. (vmap of ragged_dot
-# over an unbatched rhs is not implemented in jax 0.10.)
-_PER_ROW_RAGGED = jax.lax.RaggedDotDimensionNumbers(
-    dot_dimension_numbers=(([2], [1]), ([], [])), lhs_ragged_dimensions=[1],
-    rhs_group_dimensions=[0])
-
-
-def grouped_matmul(x_BxAxD, w_ExDxF, sizes_BxE):
-    """y[b, a] = x[b, a] @ w[e] for the expert e whose group (in row b's order) holds a."""
-    return jax.lax.ragged_dot_general(x_BxAxD, w_ExDxF, sizes_BxE, _PER_ROW_RAGGED)
-
-
 class MoE(nnx.Module):
     def __init__(self, cfg: ModelConfig, moe: MoEConfig, rngs: nnx.Rngs):
         self.cfg, self.moe = cfg, moe
@@ -270,10 +257,11 @@ class MoE(nnx.Module):
         x_BxAxD = jnp.take_along_axis(x_BxLxD, (order_BxA // k)[..., None], axis=1)
         x_BxAxD = constrain(x_BxAxD, ("batch", None, "embed"))
         w_gate, w_up, w_down = weights
-        h_BxAxF = swiglu(grouped_matmul(x_BxAxD, w_gate, sizes_BxE),
-                         grouped_matmul(x_BxAxD, w_up, sizes_BxE))
+        fp8 = self.cfg.fp8
+        h_BxAxF = swiglu(grouped_matmul(x_BxAxD, w_gate, sizes_BxE, fp8),
+                         grouped_matmul(x_BxAxD, w_up, sizes_BxE, fp8))
         h_BxAxF = constrain(h_BxAxF, ("batch", None, "mlp"))
-        y_BxAxD = grouped_matmul(h_BxAxF, w_down, sizes_BxE)
+        y_BxAxD = grouped_matmul(h_BxAxF, w_down, sizes_BxE, fp8)
         unsort_BxA = jnp.argsort(order_BxA, axis=-1)  # the inverse permutation: back to token-major
         y_BxLxKxD = jnp.take_along_axis(y_BxAxD, unsort_BxA[..., None], axis=1).reshape(
             b, length, k, d)
