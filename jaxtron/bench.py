@@ -19,6 +19,13 @@ each closed by one `block_until_ready`, and the median window gives the step tim
 by side in this run, and prints their step-time ratio (on CPU XLA emulates fp8 in wider types,
 so the ratio there measures the quantisation's overhead, not fp8 tensor cores).
 
+`--compare-schedules 1f1b,interleaved,gpipe` times the step of a pipelined config once per
+pipeline schedule (same model, mesh and microbatches; `interleaved` with two chunks per rank
+unless the config sets more), side by side in this run, and prints each one's step time, its
+ratio to the first and the bubble of its tick table. On simulated CPU devices the ranks share
+the machine's cores, so an idle rank frees them for the others: the ratios there show the
+schedules' other costs (more ticks, more sends), not their bubbles.
+
 `--json` prints one JSON object with every number as the last line.
 """
 
@@ -156,6 +163,30 @@ def compare_fp8(config: config_lib.Config, warmup: int, steps: int, repeats: int
             "fp8_step_time_ratio": times["tensorwise"] / times["none"]}
 
 
+def compare_schedules(config: config_lib.Config, schedules: list[str], warmup: int,
+                      steps: int, repeats: int) -> dict:
+    """Step time and tick-table bubble of each pipeline schedule, measured one after the
+    other in this run."""
+    from jaxtron.pipeline.schedule import build_table
+
+    p, pp = config.mesh.stage, config.pipeline
+    if p <= 1:
+        raise config_lib.ConfigError("--compare-schedules needs a pipelined config: set "
+                                     "mesh.stage > 1 (and pipeline.microbatches).")
+    rows = {}
+    for schedule in schedules:
+        v = max(pp.virtual_stages, 2) if schedule == "interleaved" else 1
+        variant = config_lib.from_dict(config_lib.to_dict(config), [
+            f"pipeline.schedule={schedule}", f"pipeline.virtual_stages={v}"])
+        step_s = bench_jaxtron(variant, jax.devices(), warmup, steps, repeats)["step_s"]
+        rows[schedule] = {"step_s": step_s, "virtual_stages": v,
+                          "bubble": build_table(schedule, p, pp.microbatches, v).bubble}
+    first = rows[schedules[0]]["step_s"]
+    for row in rows.values():
+        row["step_time_ratio"] = row["step_s"] / first
+    return {"schedules": rows}
+
+
 def format_report(r: dict) -> str:
     mib = 2 ** 20
     lines = [f"mesh {r['mesh']}; peak {r['peak_flops'] / 1e12:.3f} TFLOP/s ({r['peak_source']})",
@@ -175,6 +206,10 @@ def format_report(r: dict) -> str:
         lines.append(f"fp8 (tensorwise) step {1e3 * r['step_s_fp8']:.1f} ms vs "
                      f"{1e3 * r['step_s_no_fp8']:.1f} ms without: ratio "
                      f"{r['fp8_step_time_ratio']:.3f}")
+    for name, row in r.get("schedules", {}).items():
+        lines.append(f"schedule {name:<11} (v={row['virtual_stages']}): step "
+                     f"{1e3 * row['step_s']:.1f} ms, ratio {row['step_time_ratio']:.3f}, "
+                     f"bubble {row['bubble']:.3f}")
     return "\n".join(lines)
 
 
@@ -191,6 +226,8 @@ def main(argv=None) -> int:
                         help="skip the one-device plain-JAX comparison")
     parser.add_argument("--compare-fp8", action="store_true",
                         help="also time the step with model.fp8=tensorwise and none")
+    parser.add_argument("--compare-schedules", metavar="S1,S2,...",
+                        help="time a pipelined config once per pipeline schedule")
     parser.add_argument("--json", action="store_true", help="last line: one JSON object")
     args = parser.parse_args(argv)
     keep_freed_host_memory()  # before JAX starts its threads
@@ -198,6 +235,9 @@ def main(argv=None) -> int:
     report = run(config, args.warmup, args.steps, args.repeats, not args.no_reference)
     if args.compare_fp8:
         report.update(compare_fp8(config, args.warmup, args.steps, args.repeats))
+    if args.compare_schedules:
+        report.update(compare_schedules(config, args.compare_schedules.split(","), args.warmup,
+                                        args.steps, args.repeats))
     print(format_report(report), flush=True)
     if args.json:
         print(json.dumps(report))

@@ -105,3 +105,20 @@ def test_gpu_check_records_every_gpu_test_and_passes_when_they_skip(tmp_path):
     tests = report["tests"]
     assert tests["returncode"] == 0 and tests["skipped"] == len(tests["cases"]) >= 10
     assert all("GPU" in case["message"] for case in tests["cases"])
+
+
+def test_schedules_are_timed_side_by_side_with_their_tables_bubbles():
+    from jaxtron import bench
+    from jaxtron.config import ConfigError, load
+    from jaxtron.pipeline.schedule import build_table
+
+    config = load("configs/tiny.yaml", ["mesh.stage=2", "mesh.data=4", "pipeline.microbatches=2",
+                                        "train.batch_size=8", "data.seq_len=32",
+                                        "model.num_layers=4"])
+    rows = bench.compare_schedules(config, ["1f1b", "interleaved"], 0, 1, 1)["schedules"]
+    assert rows["1f1b"]["step_time_ratio"] == 1.0 and rows["interleaved"]["step_s"] > 0
+    assert rows["interleaved"]["virtual_stages"] == 2
+    assert rows["interleaved"]["bubble"] == build_table("interleaved", 2, 2, 2).bubble < \
+        rows["1f1b"]["bubble"] == 1 / 3
+    with pytest.raises(ConfigError, match="mesh.stage > 1"):
+        bench.compare_schedules(load("configs/tiny.yaml", ["mesh.data=8"]), ["1f1b"], 0, 1, 1)
