@@ -18,10 +18,11 @@ def warnings(c: Config) -> list[str]:
     """Settings that run but probably not as meant; the CLI prints each before training."""
     found = []
     window = c.model.sliding_window
-    if window is not None and window >= c.data.seq_len:
-        found.append(f"model.sliding_window={window} is at least data.seq_len={c.data.seq_len}: "
-                     "every query already sees all earlier tokens, so the window changes "
-                     "nothing; lower it or set it to null.")
+    if window is not None and window >= c.model.max_seq_len:
+        found.append(f"model.sliding_window={window} is at least model.max_seq_len="
+                     f"{c.model.max_seq_len}: no sequence this model reads or generates is longer, "
+                     "so the window never applies; lower it, or set it to null for full causal "
+                     "attention.")
     if c.optim.warmup_steps > c.train.steps:
         found.append(f"optim.warmup_steps={c.optim.warmup_steps} exceeds train.steps="
                      f"{c.train.steps}: the learning rate rises for the whole run and ends at "

@@ -28,15 +28,13 @@ from jaxtron.kernels.reference import reference_attention
 from jaxtron.kernels.ring import ring_attention, to_zigzag
 from jaxtron.kernels.splash import splash_attention
 from jaxtron.models import Transformer
-from jaxtron.trainer import Trainer
 
 from conftest import make_config
-from test_ring import assert_same_loss_and_grads
 from test_flash import inputs, output_and_grads, packed
-from test_lowering import FLASH_KERNELS, TPU_KERNEL, TRITON, forward_and_backward
-from test_lowering import lowered_text, shapes
+from test_lowering import (FLASH_KERNELS, TPU_KERNEL, TRITON, forward_and_backward,
+                           lowered_text, shapes)
 from test_mla import MLA
-from test_ring import packed_segment_ids, sequence_mesh
+from test_ring import assert_same_loss_and_grads, packed_segment_ids, sequence_mesh
 
 
 def numpy_attention(q, k, v, window, segment_ids=None):
@@ -99,10 +97,12 @@ def test_kernels_equal_the_reference_in_value_and_gradient(kernel, segments):
     assert_same(got, output_and_grads(reference(7, ids), q, k, v, cotangent))
 
 
-def test_flash_with_fewer_queries_than_keys_is_bottom_right_windowed():
+@pytest.mark.parametrize("block_q", [16, 4])  # one query block, and several offset ones
+def test_flash_with_fewer_queries_than_keys_is_bottom_right_windowed(block_q):
     q, k, v, cotangent = inputs(length=16, kv_length=40)
     got = output_and_grads(functools.partial(flash_attention, causal=True, interpret=True,
-                                             window=9, block_q=16, block_k=8), q, k, v, cotangent)
+                                             window=9, block_q=block_q, block_k=8),
+                           q, k, v, cotangent)
     assert_same(got, output_and_grads(reference(9), q, k, v, cotangent))
 
 
@@ -131,10 +131,15 @@ def test_entry_point_dispatch_and_windows_that_change_nothing():
     q, k, v, _ = inputs(length=40)
     np.testing.assert_allclose(attention(q, k, v, impl="xla", window=7), reference(7)(q, k, v),
                                rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(attention(q, k, v, impl="pallas", window=7),
+                               reference(7)(q, k, v), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(attention(q, k, v, impl="pallas", window=40),
                                reference_attention(q, k, v, causal=True), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="needs causal attention"):
         attention(q, k, v, causal=False, window=7)
+    for kernel in (reference(0), functools.partial(blockwise_causal_attention, window=0)):
+        with pytest.raises(ValueError, match="at least one key"):
+            kernel(q, k, v)
     # Chunks about a window long (at least 32 tokens, at most 16 of them).
     assert chunk_count(4096, 512) == 8 and chunk_count(4096, 64) == 16
     assert chunk_count(256, 4096) == chunk_count(256) == 4 and chunk_count(40, 7) == 1
@@ -161,6 +166,7 @@ def test_context_parallelism_equals_the_reference(gather, segments):
 
 @pytest.mark.parametrize("model", [{"num_heads": 4, "num_kv_heads": 2}, MLA], ids=["gqa", "mla"])
 def test_cached_decoding_equals_the_windowed_forward(model):
+    model_settings = model
     config = make_config(model={"d_model": 64, "init_std": 0.1, **model, "sliding_window": 4})
     model = Transformer(config.model, rngs=nnx.Rngs(0))
     tokens_BxT = jax.random.randint(jax.random.key(1), (2, 12), 0, 256)
@@ -171,6 +177,13 @@ def test_cached_decoding_equals_the_windowed_forward(model):
         logits_BxV, cache = decode_step(model, cache, tokens_BxT[:, t:t + 1], t)
         np.testing.assert_allclose(logits_BxV, full_BxTxV[:, t], rtol=1e-5, atol=1e-5,
                                    err_msg=f"position {t}")
+    # And the window is applied at all: the same weights without it agree only on the first
+    # four positions, which see no more than four keys either way.
+    config = make_config(model={"d_model": 64, "init_std": 0.1, **model_settings})
+    unwindowed = np.asarray(jax.jit(lambda m, t: m(t))(
+        Transformer(config.model, rngs=nnx.Rngs(0)), tokens_BxT))
+    np.testing.assert_allclose(unwindowed[:, :4], full_BxTxV[:, :4], rtol=1e-5, atol=1e-5)
+    assert np.abs(unwindowed[:, 4:] - full_BxTxV[:, 4:]).max() > 1e-3
 
 
 def test_data_by_sequence_mesh_equals_one_device():
@@ -207,8 +220,10 @@ def test_config_errors_and_warnings_name_the_field():
 
     with pytest.raises(ConfigError, match="model.sliding_window=0 must be a positive"):
         make_config({"model.sliding_window": 0})
-    (note,) = warnings(make_config({"model.sliding_window": 64}))
-    assert note.startswith("model.sliding_window=64 is at least data.seq_len=32")
+    assert not warnings(make_config({"model.sliding_window": 64}))  # longer than data.seq_len:
+    # training sees no window, generation up to model.max_seq_len does
+    (note,) = warnings(make_config({"model.sliding_window": 256}))
+    assert note.startswith("model.sliding_window=256 is at least model.max_seq_len=256")
 
 
 def test_hugging_face_window_fields_both_ways():

@@ -59,7 +59,7 @@ from jaxtron.kernels.blockwise import blockwise_causal_attention
 from jaxtron.kernels.context_gather import gathered_context_attention
 from jaxtron.kernels.flash import flash_attention
 from jaxtron.kernels.per_device import per_device
-from jaxtron.kernels.reference import reference_attention
+from jaxtron.kernels.reference import check_window, reference_attention
 from jaxtron.kernels.ring import ring_attention
 from jaxtron.kernels.splash import splash_attention
 from jaxtron.platforms import PLATFORMS, compute_dtype, cudnn_present, target_platform
@@ -143,9 +143,7 @@ def attention(q, k, v, *, causal: bool = True, segment_ids=None, impl="auto",
     K' = K except in multi-head latent attention). `window`: see the module doc."""
     impl = AttentionImpl(impl)
     if window is not None:
-        if not causal or window < 1:
-            raise ValueError(f"a sliding window needs causal attention and at least one key; "
-                             f"got window={window}, causal={causal}.")
+        check_window(window, causal)
         if window >= k.shape[1]:  # every key within reach: plain causal attention
             window = None
     mesh = active_mesh()

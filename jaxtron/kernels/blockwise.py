@@ -29,6 +29,8 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxtron.kernels.reference import check_window, visible_keys
+
 ATTENTION_OUT, ATTENTION_LSE = "attention_out", "attention_lse"
 ATTENTION_RESIDUALS = (ATTENTION_OUT, ATTENTION_LSE)
 
@@ -39,7 +41,8 @@ MAX_CHUNKS = 16  # the loop is unrolled: more chunks, more HLO to compile
 def chunk_count(length: int, window: int | None = None) -> int:
     """Row blocks for a causal sequence: 4 once each block would hold 32 tokens, else 1. With a
     window shorter than the sequence, as many (up to 16) as keep each block at least the window
-    and 32 tokens long: a block then reads at most twice its length in keys."""
+    and 32 tokens long, but never fewer than the causal 4: a block then reads its own rows plus
+    at most `window` keys before them."""
     causal = 4 if length % 4 == 0 and length >= 128 else 1
     if window is None or window >= length:
         return causal
@@ -52,6 +55,7 @@ def blockwise_causal_attention(q, k, v, *, segment_ids=None, chunks: int | None 
                                window: int | None = None):
     """q_BxLxHxK, k/v_BxLxGxK (same length: self-attention) -> out_BxLxHxK, causal; with
     `window`, query i sees only keys i - window < j <= i."""
+    check_window(window, causal=True)
     return _attention(chunks or chunk_count(q.shape[1], window), window, q, k, v, segment_ids)
 
 
@@ -81,10 +85,7 @@ def _mask(i: int, block: int, rows_per_group: int, segment_ids, window: int | No
     start = i * block
     first, stop = _keys(i, block, window)
     # iotas, not numpy constants: at long lengths a constant mask would bloat the program
-    q_pos, k_pos = start + jnp.arange(block)[:, None], jnp.arange(first, stop)[None, :]
-    visible = k_pos <= q_pos
-    if window is not None:
-        visible &= k_pos > q_pos - window
+    visible = visible_keys(start + jnp.arange(block), jnp.arange(first, stop), window)
     mask = jnp.tile(visible, (rows_per_group, 1))
     if segment_ids is None:
         return mask

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
+from jaxtron.kernels.reference import check_window, visible_keys
 from jaxtron.sharding.rules import shard_map_mesh
 from jaxtron.sharding.zigzag import zigzag_order
 
@@ -48,8 +49,7 @@ def gathered_context_attention(q, k, v, *, mesh: Mesh, causal: bool = True,
     """q_BxLxHxK, k/v_BxLxGxK sequence-sharded over `mesh`'s `sequence` axis, in natural order or
     (`zigzag`) in ring attention's zig-zag order; segment_ids_BxL (or None) alike. `window`
     (causal only): query i sees keys i - window < j <= i."""
-    if window is not None and not causal:
-        raise ValueError(f"a sliding window (window={window}) needs causal attention.")
+    check_window(window, causal)
     n = mesh.shape[AXIS]
     length = q.shape[1]
     order = zigzag_order(length, n) if zigzag else jnp.arange(length)
@@ -64,9 +64,7 @@ def gathered_context_attention(q, k, v, *, mesh: Mesh, causal: bool = True,
         positions_all = jax.lax.all_gather(positions, AXIS, axis=0, tiled=True)
         visible = segments[:, :, None] == segments_all[:, None, :]
         if causal:
-            visible = visible & (positions_all[None, None, :] <= positions[None, :, None])
-        if window is not None:
-            visible = visible & (positions_all[None, None, :] > positions[None, :, None] - window)
+            visible = visible & visible_keys(positions, positions_all, window)[None]
         return _attend(q, k_all, v_all, visible)
 
     mapped = jax.shard_map(local, mesh=shard_map_mesh(mesh),

@@ -39,6 +39,7 @@ from jax.experimental import pallas as pl
 from jaxtron.kernels.blockwise import ATTENTION_LSE, ATTENTION_OUT
 from jaxtron.kernels.flash_backward import (MASK_VALUE, Tiling, dot, flash_backward,
                                             k_block_end, k_block_start, tile_mask)
+from jaxtron.kernels.reference import check_window
 
 # Interpret mode executes every grid step as a loop iteration on the host: small tiles keep
 # CPU tests fast. On a GPU, 64-wide tiles fit the shared memory of every recent NVIDIA part
@@ -162,9 +163,7 @@ def flash_attention(q, k, v, *, causal: bool, segment_ids=None, block_q: int | N
     if causal and q_len > kv_len:
         raise ValueError(f"causal flash_attention with {q_len} queries but {kv_len} keys: the "
                          "first queries would have no key to attend to.")
-    if window is not None and (not causal or window < 1):
-        raise ValueError(f"a sliding window needs causal attention and at least one key; got "
-                         f"window={window}, causal={causal}.")
+    check_window(window, causal)
     if segment_ids is not None:
         segment_ids = segment_ids.astype(jnp.int32)
     call = functools.partial(_padded_flash, causal=causal, block_q=block_q, block_k=block_k,

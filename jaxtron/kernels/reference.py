@@ -16,9 +16,18 @@ import jax
 import jax.numpy as jnp
 
 
-def causal_mask(q_pos_L, k_pos_S, window: int | None = None):
+def check_window(window: int | None, causal: bool) -> None:
+    """Every kernel's guard: a window is a number of keys (at least one, the query's own) and
+    only means something for causal attention."""
+    if window is not None and (not causal or window < 1):
+        raise ValueError(f"a sliding window needs causal attention and at least one key; got "
+                         f"window={window}, causal={causal}.")
+
+
+def visible_keys(q_pos_L, k_pos_S, window: int | None = None):
     """LxS: which keys (at true positions k_pos_S) each query (at q_pos_L) sees, causally and
-    within the window; for callers that know positions rather than alignment (a KV cache)."""
+    within the window; for callers that know positions rather than alignment (a KV cache, a
+    gathered or chunked sequence)."""
     visible_LxS = k_pos_S[None, :] <= q_pos_L[:, None]
     if window is not None:
         visible_LxS &= k_pos_S[None, :] > q_pos_L[:, None] - window
@@ -26,6 +35,7 @@ def causal_mask(q_pos_L, k_pos_S, window: int | None = None):
 
 
 def reference_attention(q, k, v, *, causal: bool, segment_ids=None, window: int | None = None):
+    check_window(window, causal)
     batch, q_len, num_heads, head_dim = q.shape
     kv_len, num_kv_heads = k.shape[1], k.shape[2]
     group = num_heads // num_kv_heads

@@ -59,6 +59,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, PartitionSpec
 
 from jaxtron.kernels.blockwise import ATTENTION_LSE, ATTENTION_OUT
+from jaxtron.kernels.reference import check_window
 from jaxtron.sharding.rules import shard_map_mesh
 from jaxtron.sharding.zigzag import from_zigzag, to_zigzag
 
@@ -378,8 +379,7 @@ def ring_attention(q, k, v, *, mesh: Mesh, causal: bool = True, zigzag: bool = F
     q, k, v and segment_ids is already in zig-zag order for this ring, and the output is
     returned in that order. `window` (causal only): query i sees keys i - window < j <= i."""
     n = mesh.shape[AXIS]
-    if window is not None and not causal:
-        raise ValueError(f"a sliding window (window={window}) needs causal attention.")
+    check_window(window, causal)
     if q.shape[1] % (2 * n):
         raise ValueError(f"ring attention needs the sequence length {q.shape[1]} to be a "
                          f"multiple of 2 x mesh.sequence = {2 * n} (zig-zag chunks).")

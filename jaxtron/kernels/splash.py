@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
 from jaxtron.kernels.blockwise import ATTENTION_OUT
+from jaxtron.kernels.reference import check_window
 
 LANES = 128  # a TPU vector register's lane count: the smallest legal key block
 MAX_BLOCK = 512  # splash's blocks at long lengths (MaxText's default sa_block_* sizes)
@@ -64,8 +65,7 @@ def splash_attention(q, k, v, *, causal: bool, segment_ids=None, interpret: bool
     """q_BxLxHxK, k/v_BxSxGxK -> out_BxLxHxK (G divides H); segment_ids_BxL needs L == S.
     `max_block` (a multiple of 128) caps the tile length, e.g. to test several blocks;
     `window` (causal only): query i sees keys i - window < j <= i."""
-    if window is not None and not causal:
-        raise ValueError(f"a sliding window (window={window}) needs causal attention.")
+    check_window(window, causal)
     batch, q_len, heads, head_dim = q.shape
     kv_len = k.shape[1]
     bq, bkv = block_size(q_len, max_block), block_size(kv_len, max_block)

@@ -12,9 +12,9 @@ Cache: `{"k", "v"}` each [N, B, S, G, K] (N layers in execution order, S the lon
 cache holds). New rows are written at `position` with `lax.dynamic_update_slice`, so one compiled
 step serves every position; slots past the current position are masked, never read, and so,
 with `model.sliding_window` w, are slots w or more before it (the cache still holds every
-position: no rolling buffer). A
-multi-head latent attention model (`model.attention=mla`) caches `{"latent", "k_pe"}` instead,
-[N, B, S, C] and [N, B, S, P], and attends with `mla.cached_attention`.
+position: no rolling buffer). A multi-head latent attention model (`model.attention=mla`)
+caches `{"latent", "k_pe"}` instead, [N, B, S, C] and [N, B, S, P], and attends with
+`mla.cached_attention`.
 
 Mixture of experts: capacity-mode routing lets the tokens of a sequence compete for slots, which a
 decoder cannot reproduce (the future tokens do not exist yet). Decoding therefore routes every
@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxtron.config import ModelConfig
-from jaxtron.kernels.reference import causal_mask
+from jaxtron.kernels.reference import visible_keys
 from jaxtron.models.blocks import Block
 from jaxtron.models import mla
 from jaxtron.models.layers import Attention
@@ -68,7 +68,7 @@ def masked_attention(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, positions_L, window: int |
     q_BxLxGxRxK = q_BxLxHxK.reshape(b, length, g, h // g, k)
     logits_BxGxRxLxS = jnp.einsum("blgrk,bsgk->bgrls", q_BxLxGxRxK, k_BxSxGxK,
                                   preferred_element_type=jnp.float32) * k ** -0.5
-    visible_LxS = causal_mask(positions_L, jnp.arange(k_BxSxGxK.shape[1]), window)
+    visible_LxS = visible_keys(positions_L, jnp.arange(k_BxSxGxK.shape[1]), window)
     logits_BxGxRxLxS = jnp.where(visible_LxS, logits_BxGxRxLxS, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(logits_BxGxRxLxS, axis=-1).astype(v_BxSxGxK.dtype)
     out_BxLxGxRxK = jnp.einsum("bgrls,bsgk->blgrk", probs, v_BxSxGxK)

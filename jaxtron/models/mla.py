@@ -38,7 +38,7 @@ from flax import nnx
 
 from jaxtron.config import ModelConfig
 from jaxtron.kernels import attention
-from jaxtron.kernels.reference import causal_mask
+from jaxtron.kernels.reference import visible_keys
 from jaxtron.kernels.fp8 import einsum
 from jaxtron.models import rope
 from jaxtron.models.layers import fp8_histories, fp8_history, normal, param, rotary
@@ -164,7 +164,7 @@ def cached_attention(attn: MLAttention, x_BxLxD, cache: dict, position):
                    preferred_element_type=jnp.float32)
         + jnp.einsum("blhp,bsp->bhls", q_pe_BxLxHxP, p_BxSxP,
                      preferred_element_type=jnp.float32)) * q_BxLxHxK.shape[-1] ** -0.5
-    visible_LxS = causal_mask(positions_L, jnp.arange(latent_BxSxC.shape[1]),
+    visible_LxS = visible_keys(positions_L, jnp.arange(latent_BxSxC.shape[1]),
                               cfg.sliding_window)
     logits_BxHxLxS = jnp.where(visible_LxS, logits_BxHxLxS, jnp.finfo(jnp.float32).min)
     probs_BxHxLxS = jax.nn.softmax(logits_BxHxLxS, axis=-1).astype(dt)
