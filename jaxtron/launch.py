@@ -1,0 +1,196 @@
+"""Train under a supervisor that restarts the job after a failure, with nobody watching.
+
+    python -m jaxtron.launch --processes 2 --cpu-devices 4 --max-restarts 3 -- \\
+        --config configs/tiny.yaml mesh.data=2 mesh.tensor=4
+
+starts `--processes` training processes on this machine (`python -m jaxtron.train` with the
+arguments after `--`, joined through JAX's distributed runtime on 127.0.0.1) and watches them.
+The job fails when a process exits with an error or is killed, or when no step has been
+logged for `--stall-timeout-s` (every process hung). A process that dies or stops (SIGSTOP, a
+lost host) is noticed by the others' distributed heartbeats within `--heartbeat-timeout-s`:
+they exit with an error, which the supervisor sees. It then kills what is left of the job,
+waits a back-off (1, 2, 4, ... s, at most 30), and starts every process again; the processes
+resume from the newest good checkpoint in `train.run_dir` (`train.resume: auto`), so the
+steps after that checkpoint are computed again and give the same losses. A bad input (status
+2: a config, data or checkpoint the run refuses) is not retried: it would fail the same way.
+
+Each restart is one line on stdout and in `<run_dir>/restarts.jsonl`: the reason (which
+process, which exit status or signal), `lost_steps` (steps logged after the checkpoint it
+resumes from, computed again) and `recovery_s` (from noticing the failure to the first step
+logged after the restart). After `--max-restarts` restarts the next failure ends the launch
+with one line naming it; the checkpoints stay as they are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from jaxtron import config as config_lib
+from jaxtron.checkpoint import checkpoint_dir, saved_steps
+from jaxtron.errors import JaxtronError, exits_on_user_error
+
+USER_ERROR = 2  # the status a JaxtronError ends a command with: not worth retrying
+
+
+class LaunchFailed(JaxtronError):
+    """The job kept failing: restarts exhausted."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def last_logged_step(run_dir: Path) -> int:
+    """The newest step in `<run_dir>/metrics.jsonl` (0 when none)."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return 0
+    steps = [json.loads(line).get("step", 0) for line in path.read_text().splitlines()
+             if line.strip().startswith("{")]
+    return max(steps, default=0)
+
+
+def describe_exit(rank: int, status: int) -> str:
+    if status < 0:
+        return f"process {rank} was killed by {signal.Signals(-status).name}"
+    return f"process {rank} exited with status {status}"
+
+
+def training_processes(processes: int, train_args: list[str], cpu_devices: int | None,
+                       heartbeat_timeout_s: int):
+    """start(restart) -> the job's processes, on a fresh coordinator port each time; a
+    restart resumes from the run dir's checkpoints whatever `train.resume` the job was given."""
+    def start(restart: bool) -> list[subprocess.Popen]:
+        port = free_port()
+        children = []
+        for rank in range(processes):
+            env = dict(os.environ)
+            if cpu_devices:
+                env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", ""),
+                                             f"--xla_force_host_platform_device_count="
+                                             f"{cpu_devices}"]).strip()
+            if processes > 1:
+                env.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+                           JAX_NUM_PROCESSES=str(processes), JAX_PROCESS_ID=str(rank))
+            command = [sys.executable, "-u", "-m", "jaxtron.train", *train_args,
+                       f"distributed.heartbeat_timeout_s={heartbeat_timeout_s}",
+                       *(["train.resume=auto"] if restart else [])]
+            children.append(subprocess.Popen(command, env=env))
+        return children
+
+    return start
+
+
+def _stop(children: list[subprocess.Popen]) -> None:
+    """Kill what is left of a failed job: its state is lost anyway, and a polite stop would
+    wait on the dead peer (the checkpoint is the recovery point)."""
+    for child in children:
+        if child.poll() is None:
+            child.kill()
+    for child in children:
+        child.wait()
+
+
+def supervise(start, run_dir: Path, max_restarts: int, stall_timeout_s: float,
+              poll_s: float = 0.2) -> int:
+    """Run the job `start()` starts until it succeeds; restart it after each failure.
+    -> 0, or the user-error status; LaunchFailed when restarts are exhausted."""
+    restarts, failed_at, lost_total = 0, None, 0
+    while True:
+        children = start(restarts > 0)
+        (run_dir / "processes.json").parent.mkdir(parents=True, exist_ok=True)
+        (run_dir / "processes.json").write_text(json.dumps([c.pid for c in children]))
+        resumed_from = max(saved_steps(checkpoint_dir(run_dir)), default=0)
+        seen_step, seen_at = last_logged_step(run_dir), time.monotonic()
+        reason = None
+        while reason is None:
+            time.sleep(poll_s)
+            statuses = [c.poll() for c in children]
+            bad = [(rank, s) for rank, s in enumerate(statuses) if s not in (None, 0)]
+            if bad:
+                reason = describe_exit(*bad[0])
+                status = bad[0][1]
+            elif all(s == 0 for s in statuses):
+                print(f"launch: done after {restarts} restart(s), {lost_total} step(s) "
+                      "computed again", flush=True)
+                return 0
+            step = last_logged_step(run_dir)
+            if step != seen_step:
+                seen_step, seen_at = step, time.monotonic()
+                if failed_at is not None and step > resumed_from:
+                    _record(run_dir, restarts, "recovered", recovery_s=round(
+                        time.monotonic() - failed_at, 1))
+                    failed_at = None
+            elif reason is None and time.monotonic() - seen_at > stall_timeout_s:
+                reason, status = f"no step logged for {stall_timeout_s:.0f} s", None
+        _stop(children)
+        if status == USER_ERROR:
+            print(f"launch: {reason} (a bad input, not retried); see its error above",
+                  flush=True)
+            return USER_ERROR
+        if restarts >= max_restarts:
+            raise LaunchFailed(f"the job failed again ({reason}) after {restarts} restart(s), "
+                               f"the most --max-restarts allows; the checkpoints in "
+                               f"{checkpoint_dir(run_dir)} are kept: fix the cause and run the "
+                               "same command to resume.")
+        restarts += 1
+        failed_at = time.monotonic()
+        newest = max(saved_steps(checkpoint_dir(run_dir)), default=0)
+        lost = max(last_logged_step(run_dir) - newest, 0)
+        lost_total += lost
+        _record(run_dir, restarts, reason, lost_steps=lost, resume_from=newest)
+        time.sleep(min(2 ** (restarts - 1), 30))
+
+
+def _record(run_dir: Path, restart: int, event: str, **fields) -> None:
+    entry = {"restart": restart, "event": event, **fields}
+    with open(run_dir / "restarts.jsonl", "a") as f:
+        f.write(json.dumps(entry) + "\n")
+    details = ", ".join(f"{k} {v}" for k, v in fields.items())
+    print(f"launch: restart {restart}: {event}" + (f" ({details})" if details else ""),
+          flush=True)
+
+
+@exits_on_user_error
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--" not in argv:
+        raise config_lib.ConfigError("put the training arguments after `--`: python -m "
+                                     "jaxtron.launch --processes 2 -- --config configs/tiny.yaml")
+    split = argv.index("--")
+    parser = argparse.ArgumentParser(prog="python -m jaxtron.launch",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--processes", type=int, default=1, help="training processes to run")
+    parser.add_argument("--cpu-devices", type=int,
+                        help="simulated CPU devices per process (XLA_FLAGS)")
+    parser.add_argument("--max-restarts", type=int, default=3)
+    parser.add_argument("--heartbeat-timeout-s", type=int, default=60,
+                        help="a silent process is declared dead after this long")
+    parser.add_argument("--stall-timeout-s", type=float, default=1800,
+                        help="no new step logged for this long (compile included) is a "
+                             "failure")
+    args = parser.parse_args(argv[:split])
+    train_args = argv[split + 1:]
+    train_parser = argparse.ArgumentParser(add_help=False)
+    train_parser.add_argument("--config")
+    train_parser.add_argument("overrides", nargs="*")
+    known, _ = train_parser.parse_known_args(train_args)
+    config = config_lib.load(known.config, known.overrides)  # a bad config: one line, now
+    start = training_processes(args.processes, train_args, args.cpu_devices,
+                               args.heartbeat_timeout_s)
+    return supervise(start, Path(config.train.run_dir), args.max_restarts,
+                     args.stall_timeout_s)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""The training supervisor (`python -m jaxtron.launch`): a killed process makes it restart the
+job, which resumes from the newest checkpoint and reproduces an uninterrupted run's losses;
+bad input is not retried; restarts run out with one line; a stalled job counts as failed."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from jaxtron.checkpoint import saved_steps
+from jaxtron.launch import LaunchFailed, supervise
+
+from conftest import FAST_COMPILE_FLAG, losses_by_step
+from test_multihost import BASE, train
+
+
+def exiting(*statuses):
+    """start(restart) for `supervise`: one process per call exiting with the next status
+    (negative: killed by that signal; None: sleeps until killed)."""
+    calls = iter(statuses)
+
+    def start(restart):
+        status = next(calls)
+        code = ("import time; time.sleep(60)" if status is None else
+                f"import os; os.kill(os.getpid(), {-status})" if status < 0 else
+                f"raise SystemExit({status})")
+        return [subprocess.Popen([sys.executable, "-c", code])]
+
+    return start
+
+
+def records(run_dir):
+    return [json.loads(line) for line in (run_dir / "restarts.jsonl").read_text().splitlines()]
+
+
+def test_a_failure_is_restarted_and_a_bad_input_is_not(tmp_path):
+    assert supervise(exiting(1, 0), tmp_path / "a", max_restarts=2, stall_timeout_s=60) == 0
+    (restart,) = records(tmp_path / "a")
+    assert restart["event"] == "process 0 exited with status 1" and restart["lost_steps"] == 0
+    # status 2 is a refused config, data or checkpoint: the same failure again, not retried
+    assert supervise(exiting(2), tmp_path / "b", max_restarts=2, stall_timeout_s=60) == 2
+    assert not (tmp_path / "b" / "restarts.jsonl").exists()
+
+
+def test_restarts_run_out_with_one_line_naming_the_last_failure(tmp_path):
+    with pytest.raises(LaunchFailed, match=r"failed again \(process 0 was killed by SIGKILL\) "
+                                           r"after 1 restart"):
+        supervise(exiting(3, -signal.SIGKILL), tmp_path, max_restarts=1, stall_timeout_s=60)
+    assert [r["event"] for r in records(tmp_path)] == ["process 0 exited with status 3"]
+
+
+def test_a_job_that_logs_no_step_is_stopped_as_stalled(tmp_path):
+    with pytest.raises(LaunchFailed, match="no step logged for 1 s"):
+        supervise(exiting(None), tmp_path, max_restarts=0, stall_timeout_s=1)
+
+
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
+def test_a_lost_process_is_restarted_and_the_losses_are_an_uninterrupted_runs(tmp_path, how):
+    """kill -9, or SIGSTOP (a hung host: the other process's heartbeat check fails it within
+    the timeout), one of two processes after a checkpoint: the job restarts from it and every
+    step's loss equals a one-process run's."""
+    steps = ["train.steps=16"]
+    reference = tmp_path / "one-process"
+    train(reference, 1, *steps)
+    run_dir = tmp_path / "supervised"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=FAST_COMPILE_FLAG)
+    command = [sys.executable, "-u", "-m", "jaxtron.launch", "--processes", "2",
+               "--cpu-devices", "4", "--max-restarts", "2", "--heartbeat-timeout-s", "10",
+               "--", *BASE, *steps, "mesh.dcn_data=2", f"train.run_dir={run_dir}"]
+    launcher = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 300
+    # Kill once a checkpoint is complete and a later step has been logged.
+    while not (saved_steps(run_dir / "checkpoints") and max(
+            (r["step"] for r in _records_so_far(run_dir)), default=0) > max(
+            saved_steps(run_dir / "checkpoints"))):
+        assert time.monotonic() < deadline and launcher.poll() is None, "no step after a save"
+        time.sleep(0.05)
+    os.kill(json.loads((run_dir / "processes.json").read_text())[1], how)
+    out, _ = launcher.communicate(timeout=600)
+    assert launcher.returncode == 0, out[-3000:]
+    failure, recovered = records(run_dir)
+    if how == signal.SIGKILL:
+        assert failure["event"] == "process 1 was killed by SIGKILL", failure
+    else:  # process 0's heartbeat check notices its silent peer and aborts it
+        assert failure["event"].startswith("process 0 "), failure
+    assert failure["resume_from"] >= 2 and failure["lost_steps"] >= 0
+    assert recovered["event"] == "recovered" and recovered["recovery_s"] > 0
+    assert "launch: done after 1 restart(s)" in out
+    expected, got = losses_by_step(reference), losses_by_step(run_dir)
+    assert sorted(got) == list(range(1, 17))
+    np.testing.assert_allclose([got[s] for s in range(1, 17)],
+                               [expected[s] for s in range(1, 17)], rtol=2e-5)
+
+
+def _records_so_far(run_dir):
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines()
+            if line.startswith("{") and line.endswith("}")]
