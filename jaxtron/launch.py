@@ -19,6 +19,11 @@ process, which exit status or signal), `lost_steps` (steps logged after the chec
 resumes from, computed again) and `recovery_s` (from noticing the failure to the first step
 logged after the restart). After `--max-restarts` restarts the next failure ends the launch
 with one line naming it; the checkpoints stay as they are.
+
+At the end the supervisor prints and writes to `<run_dir>/launch.json` the job's goodput: the
+time its final steps took (each logged window's steps at its logged tokens/s) over the wall
+time since the launch, so compiling, evaluating, saving, restarting and steps computed twice
+all count against it (Google's definition of ML goodput).
 """
 
 from __future__ import annotations
@@ -58,6 +63,21 @@ def last_logged_step(run_dir: Path) -> int:
     steps = [json.loads(line).get("step", 0) for line in path.read_text().splitlines()
              if line.strip().startswith("{")]
     return max(steps, default=0)
+
+
+def productive_seconds(run_dir: Path, tokens_per_step: int, log_every: int) -> float:
+    """Time the run's final steps took: each step's last logged window (a step logged again
+    after a restart replaces the earlier record), `log_every` steps at its tokens/s."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return 0.0
+    windows = {}
+    for line in path.read_text().splitlines():
+        if line.strip().startswith("{"):
+            record = json.loads(line)
+            if record.get("tokens_per_s"):
+                windows[record["step"]] = record["tokens_per_s"]
+    return sum(min(log_every, step) * tokens_per_step / rate for step, rate in windows.items())
 
 
 def describe_exit(rank: int, status: int) -> str:
@@ -102,10 +122,10 @@ def _stop(children: list[subprocess.Popen]) -> None:
 
 
 def supervise(start, run_dir: Path, max_restarts: int, stall_timeout_s: float,
-              poll_s: float = 0.2) -> int:
+              poll_s: float = 0.2, tokens_per_step: int = 0, log_every: int = 1) -> int:
     """Run the job `start()` starts until it succeeds; restart it after each failure.
     -> 0, or the user-error status; LaunchFailed when restarts are exhausted."""
-    restarts, failed_at, lost_total = 0, None, 0
+    restarts, failed_at, lost_total, launched = 0, None, 0, time.monotonic()
     while True:
         children = start(restarts > 0)
         (run_dir / "processes.json").parent.mkdir(parents=True, exist_ok=True)
@@ -116,13 +136,16 @@ def supervise(start, run_dir: Path, max_restarts: int, stall_timeout_s: float,
         while reason is None:
             time.sleep(poll_s)
             statuses = [c.poll() for c in children]
-            bad = [(rank, s) for rank, s in enumerate(statuses) if s not in (None, 0)]
+            # A process killed by a signal is the likelier cause: the others then exit with an
+            # error because a peer vanished.
+            bad = sorted(((s > 0, rank, s) for rank, s in enumerate(statuses)
+                          if s not in (None, 0)))
             if bad:
-                reason = describe_exit(*bad[0])
-                status = bad[0][1]
+                _, rank, status = bad[0]
+                reason = describe_exit(rank, status)
             elif all(s == 0 for s in statuses):
-                print(f"launch: done after {restarts} restart(s), {lost_total} step(s) "
-                      "computed again", flush=True)
+                _summarise(run_dir, restarts, lost_total, time.monotonic() - launched,
+                           productive_seconds(run_dir, tokens_per_step, log_every))
                 return 0
             step = last_logged_step(run_dir)
             if step != seen_step:
@@ -150,6 +173,16 @@ def supervise(start, run_dir: Path, max_restarts: int, stall_timeout_s: float,
         lost_total += lost
         _record(run_dir, restarts, reason, lost_steps=lost, resume_from=newest)
         time.sleep(min(2 ** (restarts - 1), 30))
+
+
+def _summarise(run_dir: Path, restarts: int, lost: int, wall_s: float,
+               productive_s: float) -> None:
+    goodput = productive_s / wall_s if wall_s > 0 else 0.0
+    summary = {"restarts": restarts, "lost_steps": lost, "wall_s": round(wall_s, 1),
+               "productive_s": round(productive_s, 1), "goodput": round(goodput, 4)}
+    (run_dir / "launch.json").write_text(json.dumps(summary, indent=1))
+    print(f"launch: done after {restarts} restart(s), {lost} step(s) computed again; goodput "
+          f"{goodput:.1%} ({productive_s:.1f} s of steps in {wall_s:.1f} s)", flush=True)
 
 
 def _record(run_dir: Path, restart: int, event: str, **fields) -> None:
@@ -189,7 +222,9 @@ def main(argv=None) -> int:
     start = training_processes(args.processes, train_args, args.cpu_devices,
                                args.heartbeat_timeout_s)
     return supervise(start, Path(config.train.run_dir), args.max_restarts,
-                     args.stall_timeout_s)
+                     args.stall_timeout_s,
+                     tokens_per_step=config.train.batch_size * config.data.seq_len,
+                     log_every=config.train.log_every)
 
 
 if __name__ == "__main__":

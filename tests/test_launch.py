@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from jaxtron.checkpoint import saved_steps
-from jaxtron.launch import LaunchFailed, supervise
+from jaxtron.launch import LaunchFailed, productive_seconds, supervise
 
 from conftest import FAST_COMPILE_FLAG, losses_by_step
 from test_multihost import BASE, train
@@ -54,6 +54,15 @@ def test_restarts_run_out_with_one_line_naming_the_last_failure(tmp_path):
     assert [r["event"] for r in records(tmp_path)] == ["process 0 exited with status 3"]
 
 
+def test_goodput_counts_each_final_step_once_at_its_logged_rate(tmp_path):
+    lines = [{"step": 2, "tokens_per_s": 100.0}, {"step": 4, "tokens_per_s": 50.0},
+             {"step": 4, "tokens_per_s": 200.0},  # step 4 again after a restart: this counts
+             {"step": 4, "eval_loss": 1.0}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    # two windows of 2 steps of 100 tokens: 2 * 100 / 100 + 2 * 100 / 200 seconds
+    assert productive_seconds(tmp_path, tokens_per_step=100, log_every=2) == 3.0
+
+
 def test_a_job_that_logs_no_step_is_stopped_as_stalled(tmp_path):
     with pytest.raises(LaunchFailed, match="no step logged for 1 s"):
         supervise(exiting(None), tmp_path, max_restarts=0, stall_timeout_s=1)
@@ -92,6 +101,9 @@ def test_a_lost_process_is_restarted_and_the_losses_are_an_uninterrupted_runs(tm
     assert failure["resume_from"] >= 2 and failure["lost_steps"] >= 0
     assert recovered["event"] == "recovered" and recovered["recovery_s"] > 0
     assert "launch: done after 1 restart(s)" in out
+    summary = json.loads((run_dir / "launch.json").read_text())
+    # the steps' own time, against compiling twice, a restart and steps computed again
+    assert summary["restarts"] == 1 and 0 < summary["goodput"] < 0.5, summary
     expected, got = losses_by_step(reference), losses_by_step(run_dir)
     assert sorted(got) == list(range(1, 17))
     np.testing.assert_allclose([got[s] for s in range(1, 17)],
