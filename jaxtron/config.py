@@ -323,8 +323,13 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    every: int = _f(0, "steps between checkpoints (0 = only at the end and on preemption)")
+    every: int | str = _f(0, "steps between checkpoints (0 = only at the end and on "
+                          "preemption; auto = the interval losing least time to saves and "
+                          "failures, from the measured save and step times and "
+                          "checkpoint.mtbf_hours: jaxtron/checkpoint_cadence.py)")
     keep: int = _f(3, "newest checkpoints kept")
+    mtbf_hours: float = _f(24.0, "expected hours between failures of the whole job, for "
+                           "checkpoint.every: auto")
 
 
 @dataclass(frozen=True)

@@ -134,7 +134,12 @@ def validate(c: Config) -> None:
                                        and 1 <= t.profile_steps[0] <= t.profile_steps[1]),
            f"train.profile_steps={list(t.profile_steps or [])} must be [first, last] with "
            "1 <= first <= last, e.g. [10, 12].")
-    _check(c.checkpoint.every >= 0, f"checkpoint.every={c.checkpoint.every} must be >= 0.")
+    every = c.checkpoint.every
+    _check(every == "auto" if isinstance(every, str) else every >= 0,
+           f"checkpoint.every={every!r} must be a number of steps >= 0 or auto.")
+    _check(c.checkpoint.mtbf_hours > 0,
+           f"checkpoint.mtbf_hours={c.checkpoint.mtbf_hours} must be > 0 (the expected hours "
+           "between failures of the job).")
     _check(c.checkpoint.keep >= 1, f"checkpoint.keep={c.checkpoint.keep} must be >= 1.")
     mesh = c.mesh
     for name in ("data", "fsdp", "tensor", "sequence", "expert", "stage"):

@@ -6,7 +6,8 @@ run's cadences and whether a stop was requested:
   * evaluate every `train.eval_every` steps (0: only at the end) and at the last step;
   * log every `train.log_every` steps, at the last step, at every evaluation (so each held-out
     loss has its row) and at a stop;
-  * save every `checkpoint.every` steps (0: none in between), at the last step and at a stop;
+  * save every `checkpoint.every` steps (0: none in between; `auto` starts as 0 and the loop
+    replaces the policy once `checkpoint_cadence` has measured), at the last step and at a stop;
   * stop at the last step or when a stop was requested (a preemption signal agreed by every
     process).
 
@@ -37,7 +38,8 @@ class LoopPolicy:
     @classmethod
     def from_config(cls, config) -> "LoopPolicy":
         t = config.train
-        return cls(t.steps, t.log_every, t.eval_every, config.checkpoint.every)
+        every = config.checkpoint.every
+        return cls(t.steps, t.log_every, t.eval_every, every if isinstance(every, int) else 0)
 
     def after(self, step: int, stop_requested: bool = False) -> Actions:
         """What to do once `step` (1-based) has run."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import math
 import sys
 import time
@@ -27,6 +28,7 @@ from jaxtron import config as config_lib
 from jaxtron.host_memory import keep_freed_host_memory
 from jaxtron import distributed
 from jaxtron.dry_run import dry_run
+from jaxtron.checkpoint_cadence import AutoCadence
 from jaxtron.fits import check_fits
 from jaxtron.kernels import fp8
 from jaxtron.loop import LoopPolicy
@@ -141,6 +143,7 @@ def _run(c: config_lib.Config, run_dir: Path) -> dict:
               f"{library}; run dir {run_dir}", flush=True)
 
     policy = LoopPolicy.from_config(c)
+    cadence = AutoCadence(start, c.checkpoint.mtbf_hours) if c.checkpoint.every == "auto" else None
     watch = NonFiniteWatch(c, checkpoints, state)
     reporter = Reporter(log, start, flops_per_step, tokens_per_step, peak)
     profiler = StepProfiler(run_dir, c.train.profile_steps, enabled=is_main)
@@ -170,9 +173,18 @@ def _run(c: config_lib.Config, run_dir: Path) -> dict:
                 reporter.add_eval_time(time.perf_counter() - eval_start)
             if act.log:
                 reporter.hold(step, metrics, eval_losses)
-            if act.save:  # never save past a bad step, logged or not
+            if cadence:
+                cadence.step_ended(step)
+            measure = cadence is not None and cadence.measure_now(step)
+            if act.save or measure:  # never save past a bad step, logged or not
                 watch.check(reporter.flush() or _unlogged(step, metrics))
+                save_start = time.perf_counter()
                 checkpoints.save(step, trainer.canonical_state(state), data_state, c)
+                if measure:
+                    note = cadence.decide(step, time.perf_counter() - save_start)
+                    policy = dataclasses.replace(policy, checkpoint_every=cadence.interval)
+                    if is_main:
+                        print(note, flush=True)
             if act.stop:
                 break
         watch.check(reporter.flush())
