@@ -14,6 +14,11 @@ resume from the newest good checkpoint in `train.run_dir` (`train.resume: auto`)
 steps after that checkpoint are computed again and give the same losses. A bad input (status
 2: a config, data or checkpoint the run refuses) is not retried: it would fail the same way.
 
+With `--min-processes K` a process that caused `--drop-after` failures in a row (a host that
+keeps dying) is dropped: the job restarts on fewer processes, down to K (a divisor of the
+starting count), with the same global batch: a smaller data-parallel degree and more
+accumulated microbatches (`jaxtron.elastic`), so the loss curve goes on as before.
+
 Each restart is one line on stdout and in `<run_dir>/restarts.jsonl`: the reason (which
 process, which exit status or signal), `lost_steps` (steps logged after the checkpoint it
 resumes from, computed again) and `recovery_s` (from noticing the failure to the first step
@@ -40,6 +45,7 @@ from pathlib import Path
 
 from jaxtron import config as config_lib
 from jaxtron.checkpoint import checkpoint_dir, saved_steps
+from jaxtron.elastic import fewer_processes
 from jaxtron.errors import JaxtronError, exits_on_user_error
 
 USER_ERROR = 2  # the status a JaxtronError ends a command with: not worth retrying
@@ -86,11 +92,34 @@ def describe_exit(rank: int, status: int) -> str:
     return f"process {rank} exited with status {status}"
 
 
-def training_processes(processes: int, train_args: list[str], cpu_devices: int | None,
-                       heartbeat_timeout_s: int):
-    """start(restart) -> the job's processes, on a fresh coordinator port each time; a
-    restart resumes from the run dir's checkpoints whatever `train.resume` the job was given."""
-    def start(restart: bool) -> list[subprocess.Popen]:
+class LocalJob:
+    """The job's training processes on this machine: `start(restart)` launches them on a
+    fresh coordinator port (a restart resumes from the run dir's checkpoints whatever
+    `train.resume` the job was given); `shrink(rank)` drops a lost process for good, down to
+    `min_processes`, with the overrides that keep the global batch (`jaxtron.elastic`)."""
+
+    def __init__(self, processes: int, train_args: list[str], config: config_lib.Config,
+                 cpu_devices: int | None, heartbeat_timeout_s: int, min_processes: int):
+        self.processes, self.train_args, self.config = processes, train_args, config
+        self.started_with = processes
+        self.cpu_devices, self.heartbeat_timeout_s = cpu_devices, heartbeat_timeout_s
+        self.min_processes = min_processes
+        self.overrides: list[str] = []
+
+    def shrink(self, rank: int) -> str | None:
+        """Continue without process `rank`; None when no fewer processes may run."""
+        after = self.processes - 1
+        while after >= self.min_processes and self.started_with % after:
+            after -= 1  # the mesh splits evenly over a divisor of the starting count
+        if after < self.min_processes:
+            return None
+        self.overrides = fewer_processes(self.config, self.started_with, after)
+        self.processes = after
+        return (f"continuing on {after} process(es) without process {rank}, same global batch: "
+                f"{' '.join(self.overrides)}")
+
+    def start(self, restart: bool) -> list[subprocess.Popen]:
+        processes, cpu_devices = self.processes, self.cpu_devices
         port = free_port()
         children = []
         for rank in range(processes):
@@ -102,13 +131,11 @@ def training_processes(processes: int, train_args: list[str], cpu_devices: int |
             if processes > 1:
                 env.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
                            JAX_NUM_PROCESSES=str(processes), JAX_PROCESS_ID=str(rank))
-            command = [sys.executable, "-u", "-m", "jaxtron.train", *train_args,
-                       f"distributed.heartbeat_timeout_s={heartbeat_timeout_s}",
-                       *(["train.resume=auto"] if restart else [])]
+            command = [sys.executable, "-u", "-m", "jaxtron.train", *self.train_args,
+                       f"distributed.heartbeat_timeout_s={self.heartbeat_timeout_s}",
+                       *(["train.resume=auto"] if restart else []), *self.overrides]
             children.append(subprocess.Popen(command, env=env))
         return children
-
-    return start
 
 
 def _stop(children: list[subprocess.Popen]) -> None:
@@ -122,10 +149,13 @@ def _stop(children: list[subprocess.Popen]) -> None:
 
 
 def supervise(start, run_dir: Path, max_restarts: int, stall_timeout_s: float,
-              poll_s: float = 0.2, tokens_per_step: int = 0, log_every: int = 1) -> int:
-    """Run the job `start()` starts until it succeeds; restart it after each failure.
-    -> 0, or the user-error status; LaunchFailed when restarts are exhausted."""
+              poll_s: float = 0.2, tokens_per_step: int = 0, log_every: int = 1,
+              shrink=None, drop_after: int = 2) -> int:
+    """Run the job `start(restart)` starts until it succeeds; restart it after each failure,
+    and after `drop_after` failures in a row caused by the same process, `shrink(rank)` the
+    job if it can. -> 0, or the user-error status; LaunchFailed when restarts are exhausted."""
     restarts, failed_at, lost_total, launched = 0, None, 0, time.monotonic()
+    cause, in_a_row = None, 0
     while True:
         children = start(restarts > 0)
         (run_dir / "processes.json").parent.mkdir(parents=True, exist_ok=True)
@@ -143,6 +173,7 @@ def supervise(start, run_dir: Path, max_restarts: int, stall_timeout_s: float,
             if bad:
                 _, rank, status = bad[0]
                 reason = describe_exit(rank, status)
+                cause, in_a_row = rank, in_a_row + 1 if rank == cause else 1
             elif all(s == 0 for s in statuses):
                 _summarise(run_dir, restarts, lost_total, time.monotonic() - launched,
                            productive_seconds(run_dir, tokens_per_step, log_every))
@@ -172,6 +203,11 @@ def supervise(start, run_dir: Path, max_restarts: int, stall_timeout_s: float,
         lost = max(last_logged_step(run_dir) - newest, 0)
         lost_total += lost
         _record(run_dir, restarts, reason, lost_steps=lost, resume_from=newest)
+        if shrink is not None and cause is not None and in_a_row >= drop_after:
+            change = shrink(cause)
+            if change:
+                _record(run_dir, restarts, change)
+                cause, in_a_row = None, 0
         time.sleep(min(2 ** (restarts - 1), 30))
 
 
@@ -207,6 +243,11 @@ def main(argv=None) -> int:
     parser.add_argument("--cpu-devices", type=int,
                         help="simulated CPU devices per process (XLA_FLAGS)")
     parser.add_argument("--max-restarts", type=int, default=3)
+    parser.add_argument("--min-processes", type=int,
+                        help="continue on fewer processes, down to this many, when one keeps "
+                             "failing (default: --processes, never fewer)")
+    parser.add_argument("--drop-after", type=int, default=2,
+                        help="failures in a row of the same process before it is dropped")
     parser.add_argument("--heartbeat-timeout-s", type=int, default=60,
                         help="a silent process is declared dead after this long")
     parser.add_argument("--stall-timeout-s", type=float, default=1800,
@@ -219,12 +260,13 @@ def main(argv=None) -> int:
     train_parser.add_argument("overrides", nargs="*")
     known, _ = train_parser.parse_known_args(train_args)
     config = config_lib.load(known.config, known.overrides)  # a bad config: one line, now
-    start = training_processes(args.processes, train_args, args.cpu_devices,
-                               args.heartbeat_timeout_s)
-    return supervise(start, Path(config.train.run_dir), args.max_restarts,
+    job = LocalJob(args.processes, train_args, config, args.cpu_devices,
+                   args.heartbeat_timeout_s, args.min_processes or args.processes)
+    return supervise(job.start, Path(config.train.run_dir), args.max_restarts,
                      args.stall_timeout_s,
                      tokens_per_step=config.train.batch_size * config.data.seq_len,
-                     log_every=config.train.log_every)
+                     log_every=config.train.log_every, shrink=job.shrink,
+                     drop_after=args.drop_after)
 
 
 if __name__ == "__main__":

@@ -116,3 +116,66 @@ def _records_so_far(run_dir):
         return []
     return [json.loads(line) for line in path.read_text().splitlines()
             if line.startswith("{") and line.endswith("}")]
+
+
+def _kill_after_a_checkpoint(run_dir, launcher, pids_before=None, saved_before=0):
+    """Wait until the job (a new one, if `pids_before`) has a checkpoint newer than
+    `saved_before` and has logged a step after it; kill -9 its process 1. -> (pids, saved)."""
+    deadline = time.monotonic() + 300
+    while True:
+        assert time.monotonic() < deadline and launcher.poll() is None, "no step after a save"
+        pids = json.loads((run_dir / "processes.json").read_text()) if (
+            run_dir / "processes.json").exists() else None
+        saved = max(saved_steps(run_dir / "checkpoints"), default=0)
+        logged = max((r["step"] for r in _records_so_far(run_dir)), default=0)
+        if pids and pids != pids_before and saved > saved_before and logged > saved:
+            os.kill(pids[1], signal.SIGKILL)
+            return pids, saved
+        time.sleep(0.05)
+
+
+def test_a_process_that_keeps_failing_is_dropped_and_the_job_goes_on_with_the_same_batch(
+        tmp_path):
+    """Process 1 killed twice in a row: the job continues on process 0 alone (data 2 -> 1,
+    grad_accum 1 -> 2, same global batch and data stream) and every step's loss is a
+    one-process run's up to the order of the sums."""
+    steps = ["train.steps=24"]
+    reference = tmp_path / "one-process"
+    train(reference, 1, *steps)
+    run_dir = tmp_path / "elastic"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=FAST_COMPILE_FLAG)
+    command = [sys.executable, "-u", "-m", "jaxtron.launch", "--processes", "2",
+               "--cpu-devices", "4", "--max-restarts", "3", "--min-processes", "1",
+               "--drop-after", "2", "--heartbeat-timeout-s", "10",
+               "--", *BASE, *steps, "mesh.dcn_data=2", f"train.run_dir={run_dir}"]
+    launcher = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+    pids, saved = _kill_after_a_checkpoint(run_dir, launcher)
+    _kill_after_a_checkpoint(run_dir, launcher, pids, saved)
+    out, _ = launcher.communicate(timeout=600)
+    assert launcher.returncode == 0, out[-3000:]
+    events = [r["event"] for r in records(run_dir)]
+    assert events[0] == events[2] == "process 1 was killed by SIGKILL", events
+    assert events[3] == ("continuing on 1 process(es) without process 1, same global batch: "
+                         "mesh.data=1 mesh.dcn_data=1 optim.grad_accum=2"), events
+    assert len(json.loads((run_dir / "processes.json").read_text())) == 1
+    expected, got = losses_by_step(reference), losses_by_step(run_dir)
+    assert sorted(got) == list(range(1, 25))
+    np.testing.assert_allclose([got[s] for s in range(1, 25)],
+                               [expected[s] for s in range(1, 25)], rtol=1e-4)
+
+
+def test_shrinking_keeps_the_global_batch_or_names_what_cannot_shrink():
+    from jaxtron import config as config_lib
+    from jaxtron.elastic import CannotShrink, fewer_processes
+
+    def config(*overrides):
+        return config_lib.load("configs/tiny.yaml", ["train.batch_size=24", *overrides])
+
+    assert fewer_processes(config("mesh.data=-1"), 4, 2) == ["optim.grad_accum=2"]
+    assert fewer_processes(config("mesh.data=4", "optim.grad_accum=3"), 4, 1) == [
+        "mesh.data=1", "optim.grad_accum=12"]
+    with pytest.raises(CannotShrink, match="mesh.data=3 cannot shrink by 2"):
+        fewer_processes(config("mesh.data=3"), 2, 1)
+    with pytest.raises(CannotShrink, match="4 processes cannot shrink evenly to 3"):
+        fewer_processes(config(), 4, 3)
