@@ -14,6 +14,11 @@ resume from the newest good checkpoint in `train.run_dir` (`train.resume: auto`)
 steps after that checkpoint are computed again and give the same losses. A bad input (status
 2: a config, data or checkpoint the run refuses) is not retried: it would fail the same way.
 
+With `--launcher "srun --kill-on-bad-exit=1"` (inside a SLURM allocation) the supervisor
+starts that command with the training command as its one child: srun places a process on every
+node, SLURM's variables join them (`jaxtron.distributed`), a failed task ends the step, and
+the supervisor restarts the step the same way.
+
 With `--min-processes K` a process that caused `--drop-after` failures in a row (a host that
 keeps dying) is dropped: the job restarts on fewer processes, down to K (a divisor of the
 starting count), with the same global batch: a smaller data-parallel degree and more
@@ -36,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -99,8 +105,10 @@ class LocalJob:
     `min_processes`, with the overrides that keep the global batch (`jaxtron.elastic`)."""
 
     def __init__(self, processes: int, train_args: list[str], config: config_lib.Config,
-                 cpu_devices: int | None, heartbeat_timeout_s: int, min_processes: int):
+                 cpu_devices: int | None, heartbeat_timeout_s: int, min_processes: int,
+                 launcher: list[str] | None = None):
         self.processes, self.train_args, self.config = processes, train_args, config
+        self.launcher = launcher
         self.started_with = processes
         self.cpu_devices, self.heartbeat_timeout_s = cpu_devices, heartbeat_timeout_s
         self.min_processes = min_processes
@@ -108,6 +116,8 @@ class LocalJob:
 
     def shrink(self, rank: int) -> str | None:
         """Continue without process `rank`; None when no fewer processes may run."""
+        if self.launcher:  # the launcher (srun) places the processes, not this supervisor
+            return None
         after = self.processes - 1
         while after >= self.min_processes and self.started_with % after:
             after -= 1  # the mesh splits evenly over a divisor of the starting count
@@ -119,6 +129,8 @@ class LocalJob:
                 f"{' '.join(self.overrides)}")
 
     def start(self, restart: bool) -> list[subprocess.Popen]:
+        if self.launcher:  # one child: the launcher starts every process and their settings
+            return [subprocess.Popen([*self.launcher, *self._command(restart)])]
         processes, cpu_devices = self.processes, self.cpu_devices
         port = free_port()
         children = []
@@ -131,11 +143,13 @@ class LocalJob:
             if processes > 1:
                 env.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
                            JAX_NUM_PROCESSES=str(processes), JAX_PROCESS_ID=str(rank))
-            command = [sys.executable, "-u", "-m", "jaxtron.train", *self.train_args,
-                       f"distributed.heartbeat_timeout_s={self.heartbeat_timeout_s}",
-                       *(["train.resume=auto"] if restart else []), *self.overrides]
-            children.append(subprocess.Popen(command, env=env))
+            children.append(subprocess.Popen(self._command(restart), env=env))
         return children
+
+    def _command(self, restart: bool) -> list[str]:
+        return [sys.executable, "-u", "-m", "jaxtron.train", *self.train_args,
+                f"distributed.heartbeat_timeout_s={self.heartbeat_timeout_s}",
+                *(["train.resume=auto"] if restart else []), *self.overrides]
 
 
 def _stop(children: list[subprocess.Popen]) -> None:
@@ -240,6 +254,10 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jaxtron.launch",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--processes", type=int, default=1, help="training processes to run")
+    parser.add_argument("--launcher",
+                        help="a command that starts the processes itself, e.g. \"srun "
+                             "--kill-on-bad-exit=1\" inside a SLURM allocation: the supervisor "
+                             "runs it (with the training command) as one child and restarts it")
     parser.add_argument("--cpu-devices", type=int,
                         help="simulated CPU devices per process (XLA_FLAGS)")
     parser.add_argument("--max-restarts", type=int, default=3)
@@ -261,7 +279,8 @@ def main(argv=None) -> int:
     known, _ = train_parser.parse_known_args(train_args)
     config = config_lib.load(known.config, known.overrides)  # a bad config: one line, now
     job = LocalJob(args.processes, train_args, config, args.cpu_devices,
-                   args.heartbeat_timeout_s, args.min_processes or args.processes)
+                   args.heartbeat_timeout_s, args.min_processes or args.processes,
+                   shlex.split(args.launcher) if args.launcher else None)
     return supervise(job.start, Path(config.train.run_dir), args.max_restarts,
                      args.stall_timeout_s,
                      tokens_per_step=config.train.batch_size * config.data.seq_len,

@@ -179,3 +179,18 @@ def test_shrinking_keeps_the_global_batch_or_names_what_cannot_shrink():
         fewer_processes(config("mesh.data=3"), 2, 1)
     with pytest.raises(CannotShrink, match="4 processes cannot shrink evenly to 3"):
         fewer_processes(config(), 4, 3)
+
+
+def test_a_launcher_command_starts_the_job_as_one_child(tmp_path):
+    """`--launcher` (srun in a SLURM allocation) runs the training command itself; `env`
+    stands in for it here, setting what srun would (one task)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=FAST_COMPILE_FLAG)
+    out = subprocess.run(
+        [sys.executable, "-m", "jaxtron.launch", "--launcher",
+         "env SLURM_NTASKS=1 SLURM_PROCID=0", "--", *BASE, "mesh.data=1", "mesh.tensor=1",
+         "train.steps=2", f"train.run_dir={tmp_path}"],
+        capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "launch: done after 0 restart(s)" in out.stdout
+    assert len(json.loads((tmp_path / "processes.json").read_text())) == 1
+    assert sorted(losses_by_step(tmp_path)) == [1, 2]
