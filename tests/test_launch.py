@@ -73,24 +73,8 @@ def test_a_lost_process_is_restarted_and_the_losses_are_an_uninterrupted_runs(tm
     """kill -9, or SIGSTOP (a hung host: the other process's heartbeat check fails it within
     the timeout), one of two processes after a checkpoint: the job restarts from it and every
     step's loss equals a one-process run's."""
-    steps = ["train.steps=16"]
-    reference = tmp_path / "one-process"
-    train(reference, 1, *steps)
-    run_dir = tmp_path / "supervised"
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=FAST_COMPILE_FLAG)
-    command = [sys.executable, "-u", "-m", "jaxtron.launch", "--processes", "2",
-               "--cpu-devices", "4", "--max-restarts", "2", "--heartbeat-timeout-s", "10",
-               "--", *BASE, *steps, "mesh.dcn_data=2", f"train.run_dir={run_dir}"]
-    launcher = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 300
-    # Kill once a checkpoint is complete and a later step has been logged.
-    while not (saved_steps(run_dir / "checkpoints") and max(
-            (r["step"] for r in _records_so_far(run_dir)), default=0) > max(
-            saved_steps(run_dir / "checkpoints"))):
-        assert time.monotonic() < deadline and launcher.poll() is None, "no step after a save"
-        time.sleep(0.05)
-    os.kill(json.loads((run_dir / "processes.json").read_text())[1], how)
+    reference, run_dir, launcher = start_supervised(tmp_path, 16, "--max-restarts", "2")
+    _kill_after_a_checkpoint(run_dir, launcher, how)
     out, _ = launcher.communicate(timeout=600)
     assert launcher.returncode == 0, out[-3000:]
     failure, recovered = records(run_dir)
@@ -118,9 +102,24 @@ def _records_so_far(run_dir):
             if line.startswith("{") and line.endswith("}")]
 
 
-def _kill_after_a_checkpoint(run_dir, launcher, pids_before=None, saved_before=0):
+def start_supervised(tmp_path, steps, *launch_args):
+    """A one-process reference run of `steps` steps, and the supervisor started on 2 processes
+    x 4 devices for the same run. -> (reference dir, run dir, supervisor process)."""
+    reference = tmp_path / "one-process"
+    train(reference, 1, f"train.steps={steps}")
+    run_dir = tmp_path / "supervised"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=FAST_COMPILE_FLAG)
+    command = [sys.executable, "-u", "-m", "jaxtron.launch", "--processes", "2",
+               "--cpu-devices", "4", "--heartbeat-timeout-s", "10", *launch_args, "--", *BASE,
+               f"train.steps={steps}", "mesh.dcn_data=2", f"train.run_dir={run_dir}"]
+    return reference, run_dir, subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
+                                                stderr=subprocess.STDOUT, text=True)
+
+
+def _kill_after_a_checkpoint(run_dir, launcher, how=signal.SIGKILL, pids_before=None,
+                             saved_before=0):
     """Wait until the job (a new one, if `pids_before`) has a checkpoint newer than
-    `saved_before` and has logged a step after it; kill -9 its process 1. -> (pids, saved)."""
+    `saved_before` and has logged a step after it; send its process 1 `how`. -> (pids, saved)."""
     deadline = time.monotonic() + 300
     while True:
         assert time.monotonic() < deadline and launcher.poll() is None, "no step after a save"
@@ -129,7 +128,7 @@ def _kill_after_a_checkpoint(run_dir, launcher, pids_before=None, saved_before=0
         saved = max(saved_steps(run_dir / "checkpoints"), default=0)
         logged = max((r["step"] for r in _records_so_far(run_dir)), default=0)
         if pids and pids != pids_before and saved > saved_before and logged > saved:
-            os.kill(pids[1], signal.SIGKILL)
+            os.kill(pids[1], how)
             return pids, saved
         time.sleep(0.05)
 
@@ -139,19 +138,10 @@ def test_a_process_that_keeps_failing_is_dropped_and_the_job_goes_on_with_the_sa
     """Process 1 killed twice in a row: the job continues on process 0 alone (data 2 -> 1,
     grad_accum 1 -> 2, same global batch and data stream) and every step's loss is a
     one-process run's up to the order of the sums."""
-    steps = ["train.steps=24"]
-    reference = tmp_path / "one-process"
-    train(reference, 1, *steps)
-    run_dir = tmp_path / "elastic"
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=FAST_COMPILE_FLAG)
-    command = [sys.executable, "-u", "-m", "jaxtron.launch", "--processes", "2",
-               "--cpu-devices", "4", "--max-restarts", "3", "--min-processes", "1",
-               "--drop-after", "2", "--heartbeat-timeout-s", "10",
-               "--", *BASE, *steps, "mesh.dcn_data=2", f"train.run_dir={run_dir}"]
-    launcher = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
+    reference, run_dir, launcher = start_supervised(
+        tmp_path, 24, "--max-restarts", "3", "--min-processes", "1", "--drop-after", "2")
     pids, saved = _kill_after_a_checkpoint(run_dir, launcher)
-    _kill_after_a_checkpoint(run_dir, launcher, pids, saved)
+    _kill_after_a_checkpoint(run_dir, launcher, signal.SIGKILL, pids, saved)
     out, _ = launcher.communicate(timeout=600)
     assert launcher.returncode == 0, out[-3000:]
     events = [r["event"] for r in records(run_dir)]

@@ -4,7 +4,6 @@ collectives between processes, per-host data, checkpoints across process counts,
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ import pytest
 from conftest import FAST_COMPILE_FLAG, losses_by_step
 from jaxtron.config import DistributedConfig
 from jaxtron.distributed import LaunchError, first_slurm_host, resolve_launch
+from jaxtron.launch import free_port
 
 # Constant learning rate after warm-up, so a run stopped early and resumed with more steps follows
 # the same schedule as one uninterrupted run.
@@ -22,12 +22,6 @@ BASE = ["--config", "configs/tiny.yaml", "model.num_layers=2", "model.d_model=64
         "model.mlp_dim=128", "data.seq_len=32", "data.builtin_max_bytes=400000",
         "train.log_every=1", "train.eval_every=0", "train.batch_size=8",
         "optim.warmup_steps=1", "optim.min_lr_ratio=1.0", "checkpoint.every=2", "mesh.data=2", "mesh.tensor=4"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(run_dir, processes, *extra, env_for=None):
