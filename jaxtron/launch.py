@@ -23,6 +23,9 @@ With `--min-processes K` a process that caused `--drop-after` failures in a row 
 keeps dying) is dropped: the job restarts on fewer processes, down to K (a divisor of the
 starting count), with the same global batch: a smaller data-parallel degree and more
 accumulated microbatches (`jaxtron.elastic`), so the loss curve goes on as before.
+`--grow-after-s` later the supervisor stops that job (SIGTERM: every process saves the same
+step) and starts all the processes again from that checkpoint; if the lost one fails again, it
+is dropped again.
 
 Each restart is one line on stdout and in `<run_dir>/restarts.jsonl`: the reason (which
 process, which exit status or signal), `lost_steps` (steps logged after the checkpoint it
@@ -128,6 +131,11 @@ class LocalJob:
         return (f"continuing on {after} process(es) without process {rank}, same global batch: "
                 f"{' '.join(self.overrides)}")
 
+    def grow(self) -> str:
+        """Back to the processes the job started with (their layout, no overrides)."""
+        self.processes, self.overrides = self.started_with, []
+        return f"growing back to {self.processes} process(es)"
+
     def start(self, restart: bool) -> list[subprocess.Popen]:
         if self.launcher:  # one child: the launcher starts every process and their settings
             return [subprocess.Popen([*self.launcher, *self._command(restart)])]
@@ -164,19 +172,23 @@ def _stop(children: list[subprocess.Popen]) -> None:
 
 def supervise(start, run_dir: Path, max_restarts: int, stall_timeout_s: float,
               poll_s: float = 0.2, tokens_per_step: int = 0, log_every: int = 1,
-              shrink=None, drop_after: int = 2) -> int:
-    """Run the job `start(restart)` starts until it succeeds; restart it after each failure,
-    and after `drop_after` failures in a row caused by the same process, `shrink(rank)` the
-    job if it can. -> 0, or the user-error status; LaunchFailed when restarts are exhausted."""
+              shrink=None, drop_after: int = 2, grow=None, grow_after_s: float = 600,
+              target_steps: int | None = None) -> int:
+    """Run the job `start(restart)` starts until it succeeds (every process exits 0, and the
+    run has logged `target_steps` when given); restart it after each failure. After
+    `drop_after` failures in a row caused by the same process, `shrink(rank)` the job if it
+    can, and `grow_after_s` later stop it with SIGTERM (every process saves the same step and
+    exits) and `grow()` it back. -> 0, or the user-error status; LaunchFailed when restarts
+    are exhausted."""
     restarts, failed_at, lost_total, launched = 0, None, 0, time.monotonic()
-    cause, in_a_row = None, 0
+    cause, in_a_row, shrunk_at = None, 0, None
     while True:
         children = start(restarts > 0)
         (run_dir / "processes.json").parent.mkdir(parents=True, exist_ok=True)
         (run_dir / "processes.json").write_text(json.dumps([c.pid for c in children]))
         resumed_from = max(saved_steps(checkpoint_dir(run_dir)), default=0)
         seen_step, seen_at = last_logged_step(run_dir), time.monotonic()
-        reason = None
+        reason, growing = None, False
         while reason is None:
             time.sleep(poll_s)
             statuses = [c.poll() for c in children]
@@ -189,9 +201,18 @@ def supervise(start, run_dir: Path, max_restarts: int, stall_timeout_s: float,
                 reason = describe_exit(rank, status)
                 cause, in_a_row = rank, in_a_row + 1 if rank == cause else 1
             elif all(s == 0 for s in statuses):
-                _summarise(run_dir, restarts, lost_total, time.monotonic() - launched,
-                           productive_seconds(run_dir, tokens_per_step, log_every))
-                return 0
+                done = last_logged_step(run_dir)
+                if target_steps is None or done >= target_steps:
+                    _summarise(run_dir, restarts, lost_total, time.monotonic() - launched,
+                               productive_seconds(run_dir, tokens_per_step, log_every))
+                    return 0
+                reason, status = f"the job stopped at step {done} of {target_steps}", 0
+            # Only a job that runs steps again has its preemption handler in place.
+            if (grow is not None and shrunk_at is not None and failed_at is None
+                    and not growing and time.monotonic() - shrunk_at >= grow_after_s):
+                for child in children:  # each saves the step they agree on, and exits 0
+                    child.send_signal(signal.SIGTERM)
+                growing = True
             step = last_logged_step(run_dir)
             if step != seen_step:
                 seen_step, seen_at = step, time.monotonic()
@@ -199,9 +220,20 @@ def supervise(start, run_dir: Path, max_restarts: int, stall_timeout_s: float,
                     _record(run_dir, restarts, "recovered", recovery_s=round(
                         time.monotonic() - failed_at, 1))
                     failed_at = None
+                    if shrunk_at is not None:  # the wait to grow back starts now
+                        shrunk_at = time.monotonic()
             elif reason is None and time.monotonic() - seen_at > stall_timeout_s:
                 reason, status = f"no step logged for {stall_timeout_s:.0f} s", None
         _stop(children)
+        newest = max(saved_steps(checkpoint_dir(run_dir)), default=0)
+        if target_steps is not None and newest >= target_steps:  # ended as it finished
+            _summarise(run_dir, restarts, lost_total, time.monotonic() - launched,
+                       productive_seconds(run_dir, tokens_per_step, log_every))
+            return 0
+        if growing and status == 0:  # a planned stop: no failure, no back-off
+            _record(run_dir, restarts, grow())
+            shrunk_at = None
+            continue
         if status == USER_ERROR:
             print(f"launch: {reason} (a bad input, not retried); see its error above",
                   flush=True)
@@ -213,7 +245,6 @@ def supervise(start, run_dir: Path, max_restarts: int, stall_timeout_s: float,
                                "same command to resume.")
         restarts += 1
         failed_at = time.monotonic()
-        newest = max(saved_steps(checkpoint_dir(run_dir)), default=0)
         lost = max(last_logged_step(run_dir) - newest, 0)
         lost_total += lost
         _record(run_dir, restarts, reason, lost_steps=lost, resume_from=newest)
@@ -221,7 +252,7 @@ def supervise(start, run_dir: Path, max_restarts: int, stall_timeout_s: float,
             change = shrink(cause)
             if change:
                 _record(run_dir, restarts, change)
-                cause, in_a_row = None, 0
+                cause, in_a_row, shrunk_at = None, 0, time.monotonic()
         time.sleep(min(2 ** (restarts - 1), 30))
 
 
@@ -266,6 +297,8 @@ def main(argv=None) -> int:
                              "failing (default: --processes, never fewer)")
     parser.add_argument("--drop-after", type=int, default=2,
                         help="failures in a row of the same process before it is dropped")
+    parser.add_argument("--grow-after-s", type=float, default=600,
+                        help="after dropping processes, try all of them again this much later")
     parser.add_argument("--heartbeat-timeout-s", type=int, default=60,
                         help="a silent process is declared dead after this long")
     parser.add_argument("--stall-timeout-s", type=float, default=1800,
@@ -285,7 +318,8 @@ def main(argv=None) -> int:
                      args.stall_timeout_s,
                      tokens_per_step=config.train.batch_size * config.data.seq_len,
                      log_every=config.train.log_every, shrink=job.shrink,
-                     drop_after=args.drop_after)
+                     drop_after=args.drop_after, grow=job.grow, grow_after_s=args.grow_after_s,
+                     target_steps=config.train.steps)
 
 
 if __name__ == "__main__":

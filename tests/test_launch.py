@@ -133,13 +133,14 @@ def _kill_after_a_checkpoint(run_dir, launcher, how=signal.SIGKILL, pids_before=
         time.sleep(0.05)
 
 
-def test_a_process_that_keeps_failing_is_dropped_and_the_job_goes_on_with_the_same_batch(
+def test_a_process_that_keeps_failing_is_dropped_then_grown_back_at_the_same_batch(
         tmp_path):
     """Process 1 killed twice in a row: the job continues on process 0 alone (data 2 -> 1,
-    grad_accum 1 -> 2, same global batch and data stream) and every step's loss is a
-    one-process run's up to the order of the sums."""
+    grad_accum 1 -> 2, same global batch and data stream), grows back to both 1 s later, and
+    every step's loss is a one-process run's up to the order of the sums."""
     reference, run_dir, launcher = start_supervised(
-        tmp_path, 24, "--max-restarts", "3", "--min-processes", "1", "--drop-after", "2")
+        tmp_path, 60, "--max-restarts", "3", "--min-processes", "1", "--drop-after", "2",
+        "--grow-after-s", "1")
     pids, saved = _kill_after_a_checkpoint(run_dir, launcher)
     _kill_after_a_checkpoint(run_dir, launcher, signal.SIGKILL, pids, saved)
     out, _ = launcher.communicate(timeout=600)
@@ -148,11 +149,13 @@ def test_a_process_that_keeps_failing_is_dropped_and_the_job_goes_on_with_the_sa
     assert events[0] == events[2] == "process 1 was killed by SIGKILL", events
     assert events[3] == ("continuing on 1 process(es) without process 1, same global batch: "
                          "mesh.data=1 mesh.dcn_data=1 optim.grad_accum=2"), events
-    assert len(json.loads((run_dir / "processes.json").read_text())) == 1
+    # 1 s later both processes run again, from a checkpoint the single one saved on SIGTERM
+    assert "growing back to 2 process(es)" in events, events
+    assert len(json.loads((run_dir / "processes.json").read_text())) == 2
     expected, got = losses_by_step(reference), losses_by_step(run_dir)
-    assert sorted(got) == list(range(1, 25))
-    np.testing.assert_allclose([got[s] for s in range(1, 25)],
-                               [expected[s] for s in range(1, 25)], rtol=1e-4)
+    assert sorted(got) == list(range(1, 61))
+    np.testing.assert_allclose([got[s] for s in range(1, 61)],
+                               [expected[s] for s in range(1, 61)], rtol=1e-4)
 
 
 def test_shrinking_keeps_the_global_batch_or_names_what_cannot_shrink():
