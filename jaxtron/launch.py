@@ -56,6 +56,7 @@ from jaxtron import config as config_lib
 from jaxtron.checkpoint import checkpoint_dir, saved_steps
 from jaxtron.elastic import fewer_processes
 from jaxtron.errors import JaxtronError, exits_on_user_error
+from jaxtron.run_dir import last_logged_step, metric_rows
 
 USER_ERROR = 2  # the status a JaxtronError ends a command with: not worth retrying
 
@@ -70,28 +71,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def last_logged_step(run_dir: Path) -> int:
-    """The newest step in `<run_dir>/metrics.jsonl` (0 when none)."""
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return 0
-    steps = [json.loads(line).get("step", 0) for line in path.read_text().splitlines()
-             if line.strip().startswith("{")]
-    return max(steps, default=0)
-
-
 def productive_seconds(run_dir: Path, tokens_per_step: int, log_every: int) -> float:
     """Time the run's final steps took: each step's last logged window (a step logged again
     after a restart replaces the earlier record), `log_every` steps at its tokens/s."""
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return 0.0
-    windows = {}
-    for line in path.read_text().splitlines():
-        if line.strip().startswith("{"):
-            record = json.loads(line)
-            if record.get("tokens_per_s"):
-                windows[record["step"]] = record["tokens_per_s"]
+    windows = {row["step"]: row["tokens_per_s"] for row in metric_rows(run_dir)
+               if row.get("tokens_per_s")}
     return sum(min(log_every, step) * tokens_per_step / rate for step, rate in windows.items())
 
 

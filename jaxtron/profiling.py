@@ -8,10 +8,11 @@ the first steps are compile-dominated, so pick a window after warm-up. At the en
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import jax
+
+from jaxtron.run_dir import metric_rows
 
 
 class StepProfiler:
@@ -46,8 +47,7 @@ def plot_loss_curve(run_dir: Path) -> Path | None:
     matplotlib.use("Agg")  # files only: no display on clusters
     import matplotlib.pyplot as plt
 
-    path = run_dir / "metrics.jsonl"
-    records = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+    records = metric_rows(run_dir)
     if not records:
         return None
     evals = [r for r in records if "eval_loss" in r]

@@ -158,6 +158,37 @@ def clear_previous_run(run_dir: Path, mode: str, found: str) -> None:
           flush=True)
 
 
+def metric_row(line: str) -> dict | None:
+    """One metrics.jsonl row, or None for a row cut short by a kill (its step runs again)."""
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return None
+    return row if isinstance(row, dict) and isinstance(row.get("step"), int) else None
+
+
+def metric_rows(run_dir: Path) -> list[dict]:
+    """The complete rows of `<run_dir>/metrics.jsonl`, in order."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [row for row in map(metric_row, path.read_text().splitlines()) if row]
+
+
+def last_logged_step(run_dir: Path, tail_bytes: int = 65536) -> int:
+    """The newest step in `<run_dir>/metrics.jsonl` (0 when none), from the file's end only:
+    rows are in step order (a resumed run drops the rows it logs again), and a watcher polls
+    this while the file grows."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return 0
+    with open(path, "rb") as f:
+        f.seek(max(f.seek(0, os.SEEK_END) - tail_bytes, 0))
+        lines = f.read().decode(errors="replace").splitlines()
+    rows = [row for row in map(metric_row, reversed(lines)) if row]
+    return rows[0]["step"] if rows else 0
+
+
 def keep_metrics_through(run_dir: Path, step: int) -> None:
     """Drop metrics rows after `step`: a resumed run logs those steps again."""
     path = run_dir / "metrics.jsonl"
@@ -165,11 +196,9 @@ def keep_metrics_through(run_dir: Path, step: int) -> None:
         return
     kept = []
     for line in path.read_text().splitlines():
-        try:
-            if json.loads(line)["step"] <= step:
-                kept.append(line)
-        except (ValueError, KeyError, TypeError):
-            continue  # a row cut short by a kill: it belongs to a step that runs again
+        row = metric_row(line)
+        if row is not None and row["step"] <= step:
+            kept.append(line)
     tmp = path.with_suffix(".jsonl.tmp")
     tmp.write_text("".join(f"{line}\n" for line in kept))
     os.replace(tmp, path)

@@ -14,6 +14,7 @@ import pytest
 
 from jaxtron.checkpoint import saved_steps
 from jaxtron.launch import LaunchFailed, productive_seconds, supervise
+from jaxtron.run_dir import last_logged_step
 
 from conftest import FAST_COMPILE_FLAG, losses_by_step
 from test_multihost import BASE, train
@@ -94,14 +95,6 @@ def test_a_lost_process_is_restarted_and_the_losses_are_an_uninterrupted_runs(tm
                                [expected[s] for s in range(1, 17)], rtol=2e-5)
 
 
-def _records_so_far(run_dir):
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines()
-            if line.startswith("{") and line.endswith("}")]
-
-
 def start_supervised(tmp_path, steps, *launch_args):
     """A one-process reference run of `steps` steps, and the supervisor started on 2 processes
     x 4 devices for the same run. -> (reference dir, run dir, supervisor process)."""
@@ -126,7 +119,7 @@ def _kill_after_a_checkpoint(run_dir, launcher, how=signal.SIGKILL, pids_before=
         pids = json.loads((run_dir / "processes.json").read_text()) if (
             run_dir / "processes.json").exists() else None
         saved = max(saved_steps(run_dir / "checkpoints"), default=0)
-        logged = max((r["step"] for r in _records_so_far(run_dir)), default=0)
+        logged = last_logged_step(run_dir)
         if pids and pids != pids_before and saved > saved_before and logged > saved:
             os.kill(pids[1], how)
             return pids, saved
@@ -187,3 +180,11 @@ def test_a_launcher_command_starts_the_job_as_one_child(tmp_path):
     assert "launch: done after 0 restart(s)" in out.stdout
     assert len(json.loads((tmp_path / "processes.json").read_text())) == 1
     assert sorted(losses_by_step(tmp_path)) == [1, 2]
+
+
+def test_the_newest_step_is_read_from_the_end_and_a_cut_row_is_skipped(tmp_path):
+    rows = "".join(json.dumps({"step": s, "loss": 1.0, "pad": "x" * 100}) + "\n"
+                   for s in range(1, 2001))
+    (tmp_path / "metrics.jsonl").write_text(rows + '{"step": 2001, "lo')  # killed mid-row
+    assert last_logged_step(tmp_path) == 2000
+    assert last_logged_step(tmp_path, tail_bytes=300) == 2000
