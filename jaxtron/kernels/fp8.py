@@ -100,24 +100,34 @@ def fp8_einsum(spec: str, x, w):
     return _forward(spec, x, w)[0]
 
 
-def _forward(spec, x, w):
-    xq, sx = quantize(x, E4M3)
-    wq, sw = quantize(w, E4M3)
+def _scaled_product(spec, x, w, amax_x, amax_w):
+    """y = x w through e4m3 at the given amaxes; -> (y, the operands the gradients need)."""
+    xq, sx = to_fp8(x, amax_x, E4M3)
+    wq, sw = to_fp8(w, amax_w, E4M3)
     y = (_dot(spec, xq, wq) * (sx * sw)).astype(x.dtype)
     # Empty slices carry the operands' dtypes and manual-axis types (residuals are arrays).
     return y, (xq, sx, wq, sw, x.reshape(-1)[:0], w.reshape(-1)[:0])
 
 
-def _backward(spec, residuals, g):
-    xq, sx, wq, sw, x_like, w_like = residuals
+def _scaled_gradients(spec, operands, g, amax_g):
+    """(dx, dw) of `_scaled_product` for the output gradient g, through e5m2 at `amax_g`."""
+    xq, sx, wq, sw, x_like, w_like = operands
     a, b, out = _specs(spec)
-    gq, sg = quantize(g, E5M2)
+    gq, sg = to_fp8(g, amax_g, E5M2)
     dx = _dot(f"{out},{b}->{a}", gq, wq) * (sg * sw)
     dw = _dot(f"{a},{out}->{b}", xq, gq) * (sx * sg)
     # Inside a shard_map an operand shared by the devices of an axis (the experts' weights
     # over the batch axes) gets the sum of their contributions, as autodiff's transpose does.
     dx, dw = (_sum_to(d, like) for d, like in ((dx, x_like), (dw, w_like)))
     return dx.astype(x_like.dtype), dw.astype(w_like.dtype)
+
+
+def _forward(spec, x, w):
+    return _scaled_product(spec, x, w, amax_of(x), amax_of(w))
+
+
+def _backward(spec, operands, g):
+    return _scaled_gradients(spec, operands, g, amax_of(g))
 
 
 def _sum_to(gradient, like):
@@ -199,23 +209,18 @@ def fp8_delayed_einsum(spec: str, x, w, history_Hx3):
 def _delayed_forward(spec, x, w, history_Hx3):
     history_Hx3 = jax.lax.stop_gradient(history_Hx3)
     ax, aw = amax_of(x), amax_of(w)
-    xq, sx = to_fp8(x, _delayed(history_Hx3[:, 0], ax), E4M3)
-    wq, sw = to_fp8(w, _delayed(history_Hx3[:, 1], aw), E4M3)
-    y = (_dot(spec, xq, wq) * (sx * sw)).astype(x.dtype)
-    return y, (xq, sx, wq, sw, ax, aw, history_Hx3, x.reshape(-1)[:0], w.reshape(-1)[:0])
+    y, operands = _scaled_product(spec, x, w, _delayed(history_Hx3[:, 0], ax),
+                                  _delayed(history_Hx3[:, 1], aw))
+    return y, (operands, ax, aw, history_Hx3)
 
 
 def _delayed_backward(spec, residuals, g):
-    xq, sx, wq, sw, ax, aw, history_Hx3, x_like, w_like = residuals
-    a, b, out = _specs(spec)
+    operands, ax, aw, history_Hx3 = residuals
     ag, parts = amax_of(g), _GRADIENT_PARTS.get()
-    gq, sg = to_fp8(g, _delayed(history_Hx3[:, 2] * parts, ag), E5M2)
-    dx = _dot(f"{out},{b}->{a}", gq, wq) * (sg * sw)
-    dw = _dot(f"{a},{out}->{b}", xq, gq) * (sx * sg)
-    dx, dw = (_sum_to(d, like) for d, like in ((dx, x_like), (dw, w_like)))
+    dx, dw = _scaled_gradients(spec, operands, g, _delayed(history_Hx3[:, 2] * parts, ag))
     observed = jnp.zeros_like(history_Hx3).at[0].set(
         jnp.stack([ax, aw, ag / parts]).astype(history_Hx3.dtype))
-    return dx.astype(x_like.dtype), dw.astype(w_like.dtype), observed
+    return dx, dw, observed
 
 
 fp8_delayed_einsum.defvjp(_delayed_forward, _delayed_backward)
