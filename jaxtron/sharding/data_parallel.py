@@ -79,15 +79,14 @@ def reduce_once(grad_fn, mesh: Mesh, param_shardings, optimizer_shardings=None):
         param_shardings, is_leaf=lambda x: isinstance(x, NamedSharding))[0]]
     manual = []
     if optimizer_shardings is None:
-        plans = [("all",)] * len(histories)
+        plans = [("max",) if history else ("all",) for history in histories]
     else:
         params, moments = _leaves(param_shardings), _leaves(optimizer_shardings)
-        plans = [("all",) if _scatter_dim(o) is None or history else
+        plans = [("max",) if history else ("all",) if _scatter_dim(o) is None else
                  ("manual",) if _split_by_mesh(p) else ("here", _scatter_dim(o))
                  for p, o, history in zip(params, moments, histories, strict=True)]
         manual = [i for i, plan in enumerate(plans) if plan[0] == "manual"]
         scatter = _manual_scatter(mesh, [params[i] for i in manual], [moments[i] for i in manual])
-    plans = [("max",) if history else plan for plan, history in zip(plans, histories)]
 
     def reduce(g, plan):
         if plan[0] == "max":
