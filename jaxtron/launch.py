@@ -166,6 +166,12 @@ def supervise(start, run_dir: Path, max_restarts: int, stall_timeout_s: float,
     are exhausted."""
     restarts, failed_at, lost_total, launched = 0, None, 0, time.monotonic()
     cause, in_a_row, shrunk_at = None, 0, None
+
+    def finished() -> int:
+        _summarise(run_dir, restarts, lost_total, time.monotonic() - launched,
+                   productive_seconds(run_dir, tokens_per_step, log_every))
+        return 0
+
     while True:
         children = start(restarts > 0)
         (run_dir / "processes.json").parent.mkdir(parents=True, exist_ok=True)
@@ -187,9 +193,7 @@ def supervise(start, run_dir: Path, max_restarts: int, stall_timeout_s: float,
             elif all(s == 0 for s in statuses):
                 done = last_logged_step(run_dir)
                 if target_steps is None or done >= target_steps:
-                    _summarise(run_dir, restarts, lost_total, time.monotonic() - launched,
-                               productive_seconds(run_dir, tokens_per_step, log_every))
-                    return 0
+                    return finished()
                 reason, status = f"the job stopped at step {done} of {target_steps}", 0
             # Only a job that runs steps again has its preemption handler in place.
             if (grow is not None and shrunk_at is not None and failed_at is None
@@ -211,9 +215,7 @@ def supervise(start, run_dir: Path, max_restarts: int, stall_timeout_s: float,
         _stop(children)
         newest = max(saved_steps(checkpoint_dir(run_dir)), default=0)
         if target_steps is not None and newest >= target_steps:  # ended as it finished
-            _summarise(run_dir, restarts, lost_total, time.monotonic() - launched,
-                       productive_seconds(run_dir, tokens_per_step, log_every))
-            return 0
+            return finished()
         if growing and status == 0:  # a planned stop: no failure, no back-off
             _record(run_dir, restarts, grow())
             shrunk_at = None
