@@ -129,8 +129,10 @@ class Checkpointer:
                 f"{self.directory}, but only {free / 2**20:,.1f} MiB are free; free space there "
                 f"or point train.run_dir at a larger disk. {self._intact()}")
 
-    def _intact(self) -> str:
-        latest = self.latest_step()
+    def _intact(self, failed: int | None = None) -> str:
+        """The sentence naming the newest checkpoint a resume would use. The manager lists a
+        step from the moment its save starts, so a `failed` one is left out."""
+        latest = max((s for s in self.manager.all_steps() if s != failed), default=None)
         return (f"The previous checkpoint, step {latest}, is intact." if latest is not None
                 else "No checkpoint had been written.")
 
@@ -145,7 +147,7 @@ class Checkpointer:
         error = CheckpointError(
             f"writing {which} to {self.directory} failed ({type(err).__name__}: {first}); "
             f"{free} free there. Free space or fix the folder, then run "
-            f"the same command to resume. {self._intact()}")
+            f"the same command to resume. {self._intact(failed=step)}")
         error.from_background = True  # the write's threads report too: let them finish first
         return error
 
