@@ -7,12 +7,26 @@ devices, and the part of it across hosts with the hosts) and, to keep each devic
 step what it was, the number of accumulated microbatches (`optim.grad_accum` grows by the same
 factor). The global batch (`train.batch_size`), the data stream and the learning-rate schedule
 stay, so the loss curve continues as the uninterrupted run's, up to the order of the sums.
+
+That smallest change keeps every device's activations but not its state: ZeRO and fsdp shards
+grow when their axes shrink. Given the devices' memory (`shrink_within`), the planner's memory
+model checks it, and where it does not fit the planner picks the fastest layout that does for
+the devices left (same global batch, same pipeline stages, whose parameters keep their layout in
+the checkpoint), e.g. ZeRO or fsdp where there was plain data parallelism.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 from jaxtron import config as config_lib
 from jaxtron.errors import JaxtronError
+from jaxtron.planner.hardware import Hardware
+from jaxtron.planner.layout import layout_of
+from jaxtron.planner.memory import predict
+from jaxtron.planner.search import plan
+from jaxtron.platforms import for_platform
+from jaxtron.sharding.mesh import resolve_degrees
 
 
 class CannotShrink(JaxtronError):
@@ -39,6 +53,55 @@ def fewer_processes(config: config_lib.Config, before: int, after: int) -> list[
         overrides.append(f"mesh.dcn_data={m.dcn_data // factor}")
     overrides.append(f"optim.grad_accum={config.optim.grad_accum * factor}")
     try:  # the shrunk config must still pass every check
+        config_lib.from_dict(config_lib.to_dict(config), overrides)
+    except config_lib.ConfigError as err:
+        raise CannotShrink(f"the job cannot continue on {after} process(es): {err}") from None
+    return overrides
+
+
+@dataclasses.dataclass(frozen=True)
+class Devices:
+    """What the supervisor knows of the machines: devices per process, each one's memory, and
+    the hardware the planner ranks layouts for (its platform decides `model.dtype: auto`)."""
+    per_process: int
+    memory_bytes: int
+    hardware: Hardware
+
+    @property
+    def platform(self) -> str:
+        name = self.hardware.name
+        return "cpu" if name == "cpu" else "tpu" if name.startswith("tpu") else "gpu"
+
+
+def shrink_within(config: config_lib.Config, before: int, after: int,
+                  devices: Devices | None) -> list[str]:
+    """`fewer_processes`' overrides when they fit `devices` (or nothing is known of them),
+    else the planner's fastest fitting layout for the devices left; CannotShrink when none
+    fits."""
+    overrides = fewer_processes(config, before, after)
+    if devices is None:
+        return overrides
+    count = after * devices.per_process
+    shrunk = config_lib.from_dict(config_lib.to_dict(config), overrides)
+    layout = layout_of(shrunk, resolve_degrees(shrunk.mesh, count))
+    on_platform = for_platform(shrunk, "cuda" if devices.platform == "gpu" else devices.platform)
+    if predict(on_platform, layout).total <= devices.memory_bytes:
+        return overrides
+    fixed = {"stage": config.mesh.stage, "virtual_stages": config.pipeline.virtual_stages}
+    ranked = plan(config, count, devices.hardware, devices.memory_bytes, devices.platform)
+    legal = [c for c in ranked.best(config, top=len(ranked.fitting))
+             if all(getattr(c.layout, k) == v for k, v in fixed.items())]
+    if not legal:
+        raise CannotShrink(
+            f"no layout of this model fits {count} devices of "
+            f"{devices.memory_bytes / 2**20:,.0f} MiB at train.batch_size={config.train.batch_size}; keep more processes "
+            "(--min-processes) or lower the batch.")
+    chosen = legal[0].layout.overrides()
+    chosen.update({f"mesh.dcn_{axis}": 1 for axis in ("data", "fsdp", "stage")})
+    if after > 1:  # the data-parallel degree's share across hosts, as before
+        chosen["mesh.dcn_data"] = after if chosen["mesh.data"] % after == 0 else 1
+    overrides = [f"{key}={value}" for key, value in chosen.items()]
+    try:
         config_lib.from_dict(config_lib.to_dict(config), overrides)
     except config_lib.ConfigError as err:
         raise CannotShrink(f"the job cannot continue on {after} process(es): {err}") from None

@@ -54,8 +54,10 @@ from pathlib import Path
 
 from jaxtron import config as config_lib
 from jaxtron.checkpoint import checkpoint_dir, saved_steps
-from jaxtron.elastic import fewer_processes
+from jaxtron.elastic import Devices, shrink_within
 from jaxtron.errors import JaxtronError, exits_on_user_error
+from jaxtron.planner.hardware import HARDWARE
+from jaxtron.planner.memory import memory_budget_bytes
 from jaxtron.run_dir import last_logged_step, metric_rows
 
 USER_ERROR = 2  # the status a JaxtronError ends a command with: not worth retrying
@@ -93,8 +95,9 @@ class LocalJob:
 
     def __init__(self, processes: int, train_args: list[str], config: config_lib.Config,
                  cpu_devices: int | None, heartbeat_timeout_s: int, min_processes: int,
-                 launcher: list[str] | None = None):
+                 launcher: list[str] | None = None, devices: Devices | None = None):
         self.processes, self.train_args, self.config = processes, train_args, config
+        self.devices = devices
         self.launcher = launcher
         self.started_with = processes
         self.cpu_devices, self.heartbeat_timeout_s = cpu_devices, heartbeat_timeout_s
@@ -110,7 +113,7 @@ class LocalJob:
             after -= 1  # the mesh splits evenly over a divisor of the starting count
         if after < self.min_processes:
             return None
-        self.overrides = fewer_processes(self.config, self.started_with, after)
+        self.overrides = shrink_within(self.config, self.started_with, after, self.devices)
         self.processes = after
         return (f"continuing on {after} process(es) without process {rank}, same global batch: "
                 f"{' '.join(self.overrides)}")
@@ -261,6 +264,20 @@ def _record(run_dir: Path, restart: int, event: str, **fields) -> None:
           flush=True)
 
 
+def devices_for_shrinking(args) -> Devices | None:
+    """What the planner needs to re-plan a shrunk job; None when no memory was given."""
+    if not (args.device_memory or args.hardware):
+        return None
+    per_process = args.devices_per_process or args.cpu_devices
+    if not per_process:
+        raise config_lib.ConfigError("--device-memory/--hardware need --devices-per-process "
+                                     "(the devices each training process drives), e.g. 8.")
+    hardware = HARDWARE[args.hardware or ("cpu" if args.cpu_devices else "h100")]
+    memory = (memory_budget_bytes(args.device_memory) if args.device_memory
+              else hardware.memory_bytes)
+    return Devices(per_process, memory, hardware)
+
+
 @exits_on_user_error
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -285,6 +302,14 @@ def main(argv=None) -> int:
                         help="failures in a row of the same process before it is dropped")
     parser.add_argument("--grow-after-s", type=float, default=600,
                         help="after dropping processes, try all of them again this much later")
+    parser.add_argument("--device-memory",
+                        help="each device's memory, e.g. 80GiB: a job shrunk to fewer processes "
+                             "takes the planner's fastest layout that fits it when the smallest "
+                             "change does not (default: --hardware's memory)")
+    parser.add_argument("--hardware", choices=sorted(HARDWARE),
+                        help="the accelerator the planner ranks layouts for when shrinking")
+    parser.add_argument("--devices-per-process", type=int,
+                        help="devices each process drives (default: --cpu-devices)")
     parser.add_argument("--heartbeat-timeout-s", type=int, default=60,
                         help="a silent process is declared dead after this long")
     parser.add_argument("--stall-timeout-s", type=float, default=1800,
@@ -299,7 +324,8 @@ def main(argv=None) -> int:
     config = config_lib.load(known.config, known.overrides)  # a bad config: one line, now
     job = LocalJob(args.processes, train_args, config, args.cpu_devices,
                    args.heartbeat_timeout_s, args.min_processes or args.processes,
-                   shlex.split(args.launcher) if args.launcher else None)
+                   shlex.split(args.launcher) if args.launcher else None,
+                   devices_for_shrinking(args))
     return supervise(job.start, Path(config.train.run_dir), args.max_restarts,
                      args.stall_timeout_s,
                      tokens_per_step=config.train.batch_size * config.data.seq_len,

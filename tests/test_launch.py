@@ -167,6 +167,40 @@ def test_shrinking_keeps_the_global_batch_or_names_what_cannot_shrink():
         fewer_processes(config(), 4, 3)
 
 
+def test_a_shrunk_job_that_would_not_fit_takes_the_planners_fitting_layout():
+    """ZeRO-1 on 2 x 4 devices shrunk to 1 x 4: the smallest change (data 8 -> 4) doubles each
+    device's optimizer and gradient shards past a 23 MB budget, so the planner's fastest layout
+    that fits is taken; same global batch, accumulated to the same rows per device."""
+    from jaxtron import config as config_lib
+    from jaxtron.elastic import CannotShrink, Devices, fewer_processes, shrink_within
+    from jaxtron.planner.hardware import HARDWARE
+    from jaxtron.planner.layout import layout_of
+    from jaxtron.planner.memory import predict
+    from jaxtron.sharding.mesh import resolve_degrees
+
+    config = config_lib.load("configs/tiny.yaml", ["mesh.data=8", "train.batch_size=16",
+                                                   "optim.zero_stage=1"])
+
+    def memory(overrides):
+        shrunk = config_lib.from_dict(config_lib.to_dict(config), overrides)
+        return predict(shrunk, layout_of(shrunk, resolve_degrees(shrunk.mesh, 4))).total, shrunk
+
+    budget = 23_000_000
+    smallest, _ = memory(fewer_processes(config, 2, 1))
+    assert smallest > budget
+    assert shrink_within(config, 2, 1, Devices(4, smallest, HARDWARE["cpu"])) == \
+        fewer_processes(config, 2, 1)  # it fits: the smallest change
+    chosen = shrink_within(config, 2, 1, Devices(4, budget, HARDWARE["cpu"]))
+    used, shrunk = memory(chosen)
+    assert used <= budget, chosen
+    assert shrunk.train.batch_size == 16 and shrunk.mesh.stage == 1
+    degrees = resolve_degrees(shrunk.mesh, 4)
+    per_device_rows = 16 // (degrees["data"] * degrees["fsdp"] * degrees["expert"])
+    assert per_device_rows // shrunk.optim.grad_accum <= 16 // 8, chosen
+    with pytest.raises(CannotShrink, match="no layout of this model fits 4 devices of 5 MiB"):
+        shrink_within(config, 2, 1, Devices(4, 5 * 2**20, HARDWARE["cpu"]))
+
+
 def test_a_launcher_command_starts_the_job_as_one_child(tmp_path):
     """`--launcher` (srun in a SLURM allocation) runs the training command itself; `env`
     stands in for it here, setting what srun would (one task)."""
@@ -188,3 +222,10 @@ def test_the_newest_step_is_read_from_the_end_and_a_cut_row_is_skipped(tmp_path)
     (tmp_path / "metrics.jsonl").write_text(rows + '{"step": 2001, "lo')  # killed mid-row
     assert last_logged_step(tmp_path) == 2000
     assert last_logged_step(tmp_path, tail_bytes=300) == 2000
+
+
+def test_memory_for_shrinking_needs_the_devices_per_process(capsys):
+    from jaxtron.launch import main
+
+    assert main(["--device-memory", "80GiB", "--", "--config", "configs/tiny.yaml"]) == 2
+    assert "need --devices-per-process" in capsys.readouterr().err.strip().splitlines()[-1]
