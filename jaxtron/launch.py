@@ -270,8 +270,9 @@ def devices_for_shrinking(args) -> Devices | None:
         return None
     per_process = args.devices_per_process or args.cpu_devices
     if not per_process:
-        raise config_lib.ConfigError("--device-memory/--hardware need --devices-per-process "
-                                     "(the devices each training process drives), e.g. 8.")
+        raise config_lib.ConfigError("--device-memory/--hardware need the devices each "
+                                     "training process drives: add --devices-per-process, "
+                                     "e.g. 8.")
     hardware = HARDWARE[args.hardware or ("cpu" if args.cpu_devices else "h100")]
     memory = (memory_budget_bytes(args.device_memory) if args.device_memory
               else hardware.memory_bytes)

@@ -228,4 +228,4 @@ def test_memory_for_shrinking_needs_the_devices_per_process(capsys):
     from jaxtron.launch import main
 
     assert main(["--device-memory", "80GiB", "--", "--config", "configs/tiny.yaml"]) == 2
-    assert "need --devices-per-process" in capsys.readouterr().err.strip().splitlines()[-1]
+    assert "add --devices-per-process" in capsys.readouterr().err.strip().splitlines()[-1]
