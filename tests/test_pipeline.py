@@ -127,6 +127,14 @@ CASES = {
                              "pipeline.layers_per_stage": [1, 3]},
     "1f1b_p2_data2_tensor2": {"mesh.stage": 2, "mesh.data": 2, "mesh.tensor": 2,
                               "pipeline.microbatches": 2},
+    # zero-bubble: B and W apart (split_vjp.py), W's run late in 1F1B's bubbles
+    "zbh1_p4_m4_data2": {"mesh.stage": 4, "mesh.data": 2, "pipeline.microbatches": 4,
+                         "pipeline.schedule": "zb-h1"},
+    "zbh1_p2_data2_fsdp2": {"mesh.stage": 2, "mesh.data": 2, "mesh.fsdp": 2,
+                            "pipeline.microbatches": 2, "pipeline.schedule": "zb-h1"},
+    "zbh1_uneven_p2_user_split": {"mesh.stage": 2, "pipeline.microbatches": 4,
+                                  "pipeline.layers_per_stage": [1, 3],
+                                  "pipeline.schedule": "zb-h1"},
 }
 
 
@@ -256,6 +264,31 @@ def test_1f1b_memory_is_flat_in_microbatches_while_gpipe_grows():
     gpipe = [temp_bytes("gpipe", m) for m in (4, 16)]
     assert abs(one_f_one_b[1] - one_f_one_b[0]) < activation, one_f_one_b
     assert gpipe[1] - gpipe[0] >= 0.9 * 12 * activation, gpipe
+
+
+def test_zb_h1_memory_is_1f1bs_plus_its_stashes_and_flat_in_microbatches(monkeypatch):
+    """zb-h1 keeps 1F1B's stage inputs and adds B's stashes (the weights' inputs and output
+    gradients a W reads): the table's slots, a scratch slot, and the one read and the one
+    written in a tick. The stash's bytes are recorded as the engine traces B."""
+    from jaxtron.pipeline import split_vjp
+    from jaxtron.planner.memory import zb_stashes
+    from jaxtron.planner.layout import Layout
+
+    stash_bytes = []
+    traced = split_vjp.SplitVJP.input_grad
+
+    def recording(self, *args):
+        dx, stash = traced(self, *args)
+        stash_bytes.append(sum(v.size * v.dtype.itemsize for v in stash))
+        return dx, stash
+
+    monkeypatch.setattr(split_vjp.SplitVJP, "input_grad", recording)
+    activation = 2 * 64 * 128 * 4
+    zb = [temp_bytes("zb-h1", m) for m in (4, 16)]
+    assert abs(zb[1] - zb[0]) < activation, zb
+    extra = zb[0] - temp_bytes("1f1b", 4)
+    formula = zb_stashes(Layout(stage=4, microbatches=4)) * stash_bytes[-1]
+    assert abs(extra - formula) < 0.1 * formula, (extra, formula)
 
 
 def test_train_cli_with_two_stages(tmp_path):

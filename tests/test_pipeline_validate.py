@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jaxtron.pipeline import split_backward
-from jaxtron.pipeline.schedule import build_table, forward_table
+from jaxtron.pipeline.schedule import WEIGHT_GRAD, build_table, forward_table
 from jaxtron.pipeline.validate import ScheduleError, check
 
 
@@ -32,7 +32,7 @@ def test_every_engine_schedule_passes_and_holds_what_its_formula_says(schedule, 
 @pytest.mark.parametrize("p", [2, 4, 8])
 @pytest.mark.parametrize("m", [8, 16, 32])
 def test_zb_h1_bubble_is_the_papers_and_its_memory_is_1f1bs(p, m):
-    table = split_backward.split_table("zb-h1", p, m)
+    table = build_table("zb-h1", p, m)
     result = check(table)
     # (p-1)(T_F + T_B - T_W) idle ticks per rank out of 3m busy ones, T_F = T_B = T_W = 1
     assert table.ticks == 3 * m + p - 1
@@ -44,7 +44,7 @@ def test_zb_h1_bubble_is_the_papers_and_its_memory_is_1f1bs(p, m):
 
 @pytest.mark.parametrize("p, m", [(4, 2), (8, 3), (2, 1)])
 def test_zb_h1_with_fewer_microbatches_than_stages_is_still_valid(p, m):
-    check(split_backward.split_table("zb-h1", p, m))
+    check(build_table("zb-h1", p, m))
 
 
 def test_broken_tables_are_refused():
@@ -61,8 +61,8 @@ def test_broken_tables_are_refused():
     dropped[t, d] = 0
     with pytest.raises(ScheduleError, match="never runs"):
         check(dataclasses.replace(table, kind=dropped))
-    split = split_backward.split_table("zb-h1", 4, 8)
-    t, d = np.argwhere(split.kind == split_backward.WEIGHT_GRAD)[0]
+    split = build_table("zb-h1", 4, 8)
+    t, d = np.argwhere(split.kind == WEIGHT_GRAD)[0]
     twice = split.microbatch.copy()
     twice[t, d] = twice[t, d] + 1  # one W of another microbatch instead: it runs twice
     with pytest.raises(ScheduleError):

@@ -24,6 +24,11 @@ data-parallel reduction (`sharding/data_parallel.py`: gradient accumulation, ZeR
 manual already and that reduction is the one. fsdp and tensor sharding inside a stage stay
 automatic.
 
+Split tables (`zb-h1`) run a backward as two jobs (`split_vjp.py`): B recomputes the stage
+from its input as above but forms only the input gradient, leaving the weights' inputs and
+output gradients in a stash slot of the carry; W, later, forms the weight gradients from that
+stash and adds them to the accumulators.
+
 `pipeline_loss` runs a forward-only table (`schedule.forward_table`) the same way: evaluation
 through the pipeline, with every layer staying on its rank.
 """
@@ -39,7 +44,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
-from jaxtron.pipeline.schedule import Table
+from jaxtron.pipeline.schedule import INPUT_GRAD, Table
+from jaxtron.pipeline.split_vjp import SplitVJP
 from jaxtron.sharding.rules import manual_axes, shard_map_mesh, without_mesh_axis
 
 AXIS = "stage"
@@ -82,7 +88,7 @@ class _Plan:
         self.last_stage = table.stages * table.virtual - 1
         self.tabs = {name: jnp.asarray(getattr(table, name)) for name in
                      ("kind", "microbatch", "chunk", "act_slot", "grad_slot", "recv_act",
-                      "recv_grad")}
+                      "recv_grad", "w_slot")}
         self.forward_ring = [(d, (d + 1) % self.p) for d in range(self.p)]
         self.backward_ring = [(d, (d - 1) % self.p) for d in range(self.p)]
 
@@ -214,7 +220,8 @@ def pipeline_value_and_grad(table: Table, mesh: Mesh, first_fn: Callable, stage_
             is_last = chunk * p + me == plan.last_stage
             return carry, jnp.where(is_last, zeros_x, y), zeros_x
 
-        def backward(carry, t):
+        def stage_job(carry, t):
+            """(run, its inputs, the output cotangent) of the backward at tick t."""
             micro, chunk = tabs["microbatch"][t, me], tabs["chunk"][t, me]
             x_in = carry["acts"][tabs["act_slot"][t, me]]
             is_last = chunk * p + me == plan.last_stage
@@ -223,20 +230,66 @@ def pipeline_value_and_grad(table: Table, mesh: Mesh, first_fn: Callable, stage_
             chunk_p, chunk_active = plan.chunk(stage_p, active, chunk)
             run = functools.partial(plan.composite, me, inputs, targets, micro, chunk,
                                     chunk_active)
-            _, vjp, _ = jax.vjp(run, first_p, shared_p, chunk_p, last_p, x_in, has_aux=True)
-            g_first, g_shared, g_chunk, g_last, dx = vjp((dy, dloss))
+            return run, (first_p, shared_p, chunk_p, last_p), x_in, (dy, dloss)
+
+        def accumulate(carry, t, grads):
+            g_first, g_shared, g_chunk, g_last = grads
+            chunk = tabs["chunk"][t, me]
             add = lambda acc, g: jax.tree.map(jnp.add, acc, g)  # noqa: E731
-            carry = dict(
+            return dict(
                 carry, g_first=add(carry["g_first"], g_first),
                 g_shared=add(carry["g_shared"], g_shared), g_last=add(carry["g_last"], g_last),
                 g_stage=jax.tree.map(lambda acc, g: acc.at[chunk].add(g), carry["g_stage"],
                                      g_chunk))
-            is_first = chunk * p + me == 0
-            return carry, zeros_x, jnp.where(is_first, zeros_x, dx)
+
+        def sent_back(t, dx):
+            is_first = tabs["chunk"][t, me] * p + me == 0
+            return jnp.where(is_first, zeros_x, dx)
+
+        def backward(carry, t):
+            run, params, x_in, cotangent = stage_job(carry, t)
+            _, vjp, _ = jax.vjp(lambda ps, x: run(*ps, x), params, x_in, has_aux=True)
+            grads, dx = vjp(cotangent)
+            return accumulate(carry, t, grads), zeros_x, sent_back(t, dx)
+
+        split = SplitVJP()
+
+        def input_and_stash(carry, t):
+            run, params, x_in, cotangent = stage_job(carry, t)
+            return split.input_grad(lambda ps, x: run(*ps, x), params, x_in, cotangent)
+
+        def run_job(carry, t):
+            """(carry, forward send, backward send) after this rank's job at tick t. A split
+            table's stash slots stay out of the switch (whose branches would each return a
+            copy of them): W's slot is read before it, B's written after it (idle ticks write
+            the scratch slot)."""
+            kind = tabs["kind"][t, me]
+            if not table.split:
+                return jax.lax.switch(kind, (idle, forward, backward), carry, t)
+            slot = tabs["w_slot"][t, me]
+            buffers = carry.pop("stash")
+            held = [buf[slot] for buf in buffers]
+            nothing = [jnp.zeros_like(v) for v in held]
+
+            def lift(job):
+                return lambda c, t, held: (*job(c, t), nothing)
+
+            def input_grad(c, t, held):
+                dx, stash = input_and_stash(c, t)
+                return c, zeros_x, sent_back(t, dx), stash
+
+            def weight_grad(c, t, held):  # B's of this function were traced before
+                return accumulate(c, t, split.weight_grad(held)), zeros_x, zeros_x, nothing
+
+            carry, send_fwd, send_bwd, stash = jax.lax.switch(
+                kind, (lift(idle), lift(forward), lift(idle), input_grad, weight_grad),
+                carry, t, held)
+            write = jnp.where(kind == INPUT_GRAD, slot, table.w_slots)
+            carry["stash"] = [buf.at[write].set(v) for buf, v in zip(buffers, stash)]
+            return carry, send_fwd, send_bwd
 
         def tick(t, carry):
-            carry, send_fwd, send_bwd = jax.lax.switch(tabs["kind"][t, me],
-                                                       (idle, forward, backward), carry, t)
+            carry, send_fwd, send_bwd = run_job(dict(carry), t)
             got_fwd = jax.lax.ppermute(send_fwd, AXIS, plan.forward_ring)
             got_bwd = jax.lax.ppermute(send_bwd, AXIS, plan.backward_ring)
             return dict(carry, acts=carry["acts"].at[tabs["recv_act"][t, me]].set(got_fwd),
@@ -252,6 +305,10 @@ def pipeline_value_and_grad(table: Table, mesh: Mesh, first_fn: Callable, stage_
             "g_first": zeros(first_p), "g_shared": zeros(shared_p), "g_last": zeros(last_p),
             "g_stage": zeros(stage_p),
         }
+        if table.split:  # each B's stash, kept in its slot until its W
+            stash = jax.eval_shape(lambda t: input_and_stash(carry, t)[1],
+                                   jnp.zeros((), jnp.int32))
+            carry["stash"] = [jnp.zeros((table.w_slots + 1, *a.shape), a.dtype) for a in stash]
         carry = jax.lax.fori_loop(0, table.ticks, tick, carry)
         g_ends = send_back((carry["g_first"], carry["g_last"], carry["g_shared"]))
         g_stage = jax.tree.map(lambda g: g[None], carry["g_stage"])

@@ -7,11 +7,13 @@ warm-up forwards on rank d, then alternates one forward and one backward; interl
 microbatches in groups of p per chunk. `build_table` then places every action at the earliest
 tick its inputs exist (a value sent at tick t is usable at tick t + 1), one action per device
 per tick, each taking one tick. The idle cells are the bubble: (p-1)/(m+p-1) for GPipe and 1F1B,
-(p-1)/(v*m+p-1) for interleaved.
+(p-1)/(v*m+p-1) for interleaved. `zb-h1` splits each backward into B (input gradient) and W
+(weight gradients) and runs the W's in 1F1B's bubbles (`split_backward.py`).
 
 The table also assigns buffer slots: where each device keeps a received activation until its
 backward has used it, and where it keeps a received gradient. The number of slots is the
-memory the schedule needs: GPipe's grows with m, 1F1B's stays near p.
+memory the schedule needs: GPipe's grows with m, 1F1B's stays near p. Split tables also assign
+each B a stash slot, where what its W needs waits until the W has run.
 
 `forward_table` is evaluation's schedule: the same placement with forwards only, in the
 interleaved order (microbatches in groups of p per chunk, which is plain microbatch order when
@@ -25,13 +27,15 @@ import dataclasses
 
 import numpy as np
 
-IDLE, FORWARD, BACKWARD = 0, 1, 2
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+IDLE, FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD = 0, 1, 2, 3, 4
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+SPLIT_SCHEDULES = ("zb-h1",)  # B and W apart
+LETTERS = {FORWARD: "F", BACKWARD: "B", INPUT_GRAD: "B", WEIGHT_GRAD: "W"}
 
 
 @dataclasses.dataclass(frozen=True)
 class Action:
-    kind: int  # FORWARD or BACKWARD
+    kind: int  # FORWARD, BACKWARD, or INPUT_GRAD and WEIGHT_GRAD
     microbatch: int
     chunk: int
 
@@ -40,6 +44,9 @@ def device_orders(schedule: str, stages: int, microbatches: int,
                   virtual: int = 1) -> list[list[Action]]:
     """The order in which each device runs its actions."""
     p, m, v = stages, microbatches, virtual
+    if schedule in SPLIT_SCHEDULES and v == 1:
+        from jaxtron.pipeline.split_backward import split_orders
+        return split_orders(schedule, p, m)
     if schedule == "gpipe":
         return [[Action(FORWARD, mb, c) for c in range(v) for mb in range(m)] +
                 [Action(BACKWARD, mb, c) for c in reversed(range(v)) for mb in range(m)]
@@ -87,7 +94,8 @@ class Table(TickTable):
 
     act_slot / grad_slot: where the input activation / incoming gradient of the action is.
     recv_act / recv_grad: where to store what arrives at the end of the tick; the last slot
-    (index act_slots / grad_slots) is scratch for values nobody needs.
+    (index act_slots / grad_slots) is scratch for values nobody needs. w_slot: where a B leaves
+    what its W reads (split tables; w_slots is 0 for the others).
     """
     kind: np.ndarray
     microbatch: np.ndarray
@@ -101,6 +109,12 @@ class Table(TickTable):
     stages: int
     virtual: int
     microbatches: int
+    w_slot: np.ndarray
+    w_slots: int
+
+    @property
+    def split(self) -> bool:
+        return self.w_slots > 0
 
 
 def build_table(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> Table:
@@ -133,9 +147,11 @@ def _place(schedule: str, orders: list[list[Action]], p: int, m: int, v: int) ->
             vs = a.chunk * p + d
             if a.kind == FORWARD:
                 deps = [] if vs == 0 else [(FORWARD, a.microbatch, vs - 1)]
-            else:
+            elif a.kind == WEIGHT_GRAD:
+                deps = [(INPUT_GRAD, a.microbatch, vs)]
+            else:  # a whole backward or a B: its forward and the next stage's same job
                 deps = [(FORWARD, a.microbatch, vs)] + (
-                    [] if vs == last else [(BACKWARD, a.microbatch, vs + 1)])
+                    [] if vs == last else [(a.kind, a.microbatch, vs + 1)])
             if all(done.get(dep, tick) < tick for dep in deps):
                 ready.append((d, a, vs))
         if not ready and tick > 4 * (m * v + p) * 2:
@@ -157,19 +173,24 @@ def _assign_slots(placed, ticks: int, p: int, v: int, m: int, done) -> Table:
         for t, a in placed[d]:
             kind[t, d], mb[t, d], chunk[t, d] = a.kind, a.microbatch, a.chunk
     # Arrivals: the forward output of (mb, vs - 1) reaches the device of vs at the end of the
-    # tick it was computed; the backward output of (mb, vs + 1) likewise. Each is held until
-    # the backward of (mb, vs) has run.
-    act_events, grad_events = [], []  # (arrival tick, release tick, device, (mb, vs))
+    # tick it was computed; the backward (or B) output of (mb, vs + 1) likewise. Each is held
+    # until the backward (or B) of (mb, vs) has run; a B's stash until its W.
+    backward = INPUT_GRAD if any(k == INPUT_GRAD for k, _, _ in done) else BACKWARD
+    act_events, grad_events, w_events = [], [], []  # (arrival, release, device, (mb, vs))
     for (k, micro, vs), t in done.items():
         if k == FORWARD and vs < last:
             dest = vs + 1  # held until its backward; without backwards, until its forward
-            release = done.get((BACKWARD, micro, dest), done[(FORWARD, micro, dest)])
+            release = done.get((backward, micro, dest), done[(FORWARD, micro, dest)])
             act_events.append((t, release, dest % p, (micro, dest)))
-        if k == BACKWARD and vs > 0:
+        if k == backward and vs > 0:
             dest = vs - 1
-            grad_events.append((t, done[(BACKWARD, micro, dest)], dest % p, (micro, dest)))
+            grad_events.append((t, done[(backward, micro, dest)], dest % p, (micro, dest)))
+        if k == INPUT_GRAD:
+            w_events.append((t, done[(WEIGHT_GRAD, micro, vs)], vs % p, (micro, vs)))
     act_of, act_slots = _allocate(act_events, p)
     grad_of, grad_slots = _allocate(grad_events, p)
+    w_of, w_slots = _allocate(w_events, p) if w_events else ({}, 0)
+    w_slot = np.zeros(shape, np.int32)
     recv_act = np.full(shape, act_slots, np.int32)
     recv_grad = np.full(shape, grad_slots, np.int32)
     for t, _, d, key in act_events:
@@ -180,10 +201,12 @@ def _assign_slots(placed, ticks: int, p: int, v: int, m: int, done) -> Table:
         for t, a in placed[d]:
             key = (a.microbatch, a.chunk * p + d)
             act_slot[t, d] = act_of.get(key, act_slots)
-            if a.kind == BACKWARD:
+            if a.kind in (BACKWARD, INPUT_GRAD):
                 grad_slot[t, d] = grad_of.get(key, grad_slots)
+            if a.kind in (INPUT_GRAD, WEIGHT_GRAD):
+                w_slot[t, d] = w_of[key]
     return Table(kind, mb, chunk, act_slot, grad_slot, recv_act, recv_grad, act_slots,
-                 grad_slots, p, v, m)
+                 grad_slots, p, v, m, w_slot, w_slots)
 
 
 def _allocate(events, p: int):
@@ -198,7 +221,7 @@ def _allocate(events, p: int):
 
 
 def render(table: Table) -> str:
-    """A text timeline: one row per device, `F3`/`B3` (chunk as a suffix `F3.1`) or `.`."""
+    """A text timeline: one row per device, `F3`/`B3`/`W3` (chunk as a suffix `F3.1`) or `.`."""
     cells = []
     for d in range(table.stages):
         row = []
@@ -208,7 +231,7 @@ def render(table: Table) -> str:
                 row.append(".")
             else:
                 suffix = f".{table.chunk[t, d]}" if table.virtual > 1 else ""
-                row.append(("F" if k == FORWARD else "B") + f"{table.microbatch[t, d]}{suffix}")
+                row.append(f"{LETTERS[int(k)]}{table.microbatch[t, d]}{suffix}")
         cells.append(row)
     width = max(len(c) for row in cells for c in row)
     return "\n".join(f"stage {d}: " + " ".join(c.rjust(width) for c in row)

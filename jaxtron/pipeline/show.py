@@ -16,7 +16,7 @@ import argparse
 import sys
 
 from jaxtron.pipeline import split_backward, validate
-from jaxtron.pipeline.schedule import SCHEDULES, build_table, render
+from jaxtron.pipeline.schedule import SCHEDULES, SPLIT_SCHEDULES, build_table, render
 
 
 def main(argv=None) -> int:
@@ -24,7 +24,7 @@ def main(argv=None) -> int:
                                      description="Show a pipeline schedule and its bubble.")
     parser.add_argument("--stages", type=int, required=True)
     parser.add_argument("--microbatches", type=int, required=True)
-    parser.add_argument("--schedule", choices=SCHEDULES + split_backward.SPLIT_SCHEDULES,
+    parser.add_argument("--schedule", choices=SCHEDULES,
                         default="1f1b")
     parser.add_argument("--virtual", type=int, default=1, help="chunks per rank (interleaved)")
     args = parser.parse_args(argv)
@@ -33,7 +33,7 @@ def main(argv=None) -> int:
         parser.error("interleaved needs --virtual >= 2 and --microbatches a multiple of --stages")
     if args.schedule != "interleaved" and v != 1:
         parser.error("--virtual > 1 needs --schedule interleaved")
-    if args.schedule in split_backward.SPLIT_SCHEDULES:
+    if args.schedule in SPLIT_SCHEDULES:
         return show_split(args.schedule, p, m)
     table = build_table(args.schedule, p, m, v)
     validate.check(table)
@@ -47,9 +47,9 @@ def main(argv=None) -> int:
 
 
 def show_split(schedule: str, p: int, m: int) -> int:
-    table = split_backward.split_table(schedule, p, m)
+    table = build_table(schedule, p, m)
     checked = validate.check(table)
-    print(split_backward.render(table))
+    print(render(table))
     print(f"{schedule}: {p} stages, {m} microbatches, F = B = W = one tick: {table.ticks} "
           f"ticks, bubble {table.bubble:.4f} (formula (p-1)/(3m+p-1) = "
           f"{split_backward.bubble_formula(p, m):.4f}; 1F1B in the same units: (p-1)/(m+p-1) = "

@@ -1,9 +1,9 @@
 """Check a pipeline tick table: every job once, on its rank, after its inputs exist, and how
 many microbatches each rank holds.
 
-One checker for every table, whatever built it: the engine's (`schedule.Table`: forwards and
-whole backwards of `gpipe`, `1f1b`, `interleaved`, and the forward-only evaluation table) and
-the split-backward ones (`split_backward.SplitTable`: F, B and W). The rules:
+One checker for every table the engine runs (`schedule.Table`): forwards and whole backwards of
+`gpipe`, `1f1b`, `interleaved`, the forward-only evaluation table, and the split-backward
+`zb-h1` (F, B and W). The rules:
 
 - every forward of every microbatch on every virtual stage runs exactly once, on the rank that
   owns that virtual stage, and for training tables every backward too (a whole one, or B then W);
@@ -20,7 +20,7 @@ import dataclasses
 
 import numpy as np
 
-from jaxtron.pipeline import schedule, split_backward
+from jaxtron.pipeline import schedule
 
 F, WHOLE_BACKWARD, B, W = "F", "BW", "B", "W"
 
@@ -39,15 +39,9 @@ def jobs(table) -> tuple[list[tuple[int, int, str, int, int]], int, int]:
     """(tick, rank, kind, microbatch, virtual stage) of every job; microbatches; virtual
     stages."""
     p = table.stages
+    names = {schedule.FORWARD: F, schedule.BACKWARD: WHOLE_BACKWARD, schedule.INPUT_GRAD: B,
+             schedule.WEIGHT_GRAD: W}
     out = []
-    if isinstance(table, split_backward.SplitTable):
-        names = {split_backward.FORWARD: F, split_backward.INPUT_GRAD: B,
-                 split_backward.WEIGHT_GRAD: W}
-        for t, d in zip(*np.nonzero(table.kind)):
-            out.append((int(t), int(d), names[int(table.kind[t, d])],
-                        int(table.microbatch[t, d]), int(d)))
-        return out, table.microbatches, p
-    names = {schedule.FORWARD: F, schedule.BACKWARD: WHOLE_BACKWARD}
     for t, d in zip(*np.nonzero(table.kind)):
         out.append((int(t), int(d), names[int(table.kind[t, d])], int(table.microbatch[t, d]),
                     int(table.chunk[t, d]) * p + int(d)))
