@@ -37,10 +37,13 @@ class Cost:
 
 
 def bubble_fraction(layout: Layout) -> float:
-    """Idle share of a pipeline rank: (p-1)/(m+p-1), interleaved (p-1)/(v m + p-1)."""
+    """Idle share of a pipeline rank: (p-1)/(m+p-1), interleaved (p-1)/(v m + p-1), zb-h1
+    (p-1)/(3m + p-1) (its table's idle ticks, F, B and W one tick each)."""
     p, m, v = layout.stage, layout.microbatches, layout.virtual_stages
     if p == 1:
         return 0.0
+    if layout.schedule == "zb-h1":
+        return (p - 1) / (3 * m + p - 1)
     return (p - 1) / ((v if layout.schedule == "interleaved" else 1) * m + p - 1)
 
 

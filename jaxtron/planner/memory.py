@@ -45,6 +45,7 @@ from flax import nnx
 
 from jaxtron.config import Config
 from jaxtron.errors import ConfigError
+from jaxtron.pipeline.schedule import build_table
 from jaxtron.planner.layout import Layout
 from jaxtron.sharding.rules import logical_names, optimizer_rules, param_rules
 
@@ -244,6 +245,12 @@ def microbatch_tokens(config: Config, layout: Layout) -> int:
     return microbatch_sequences(config, layout) * config.data.seq_len // layout.sequence
 
 
+def zb_stashes(layout: Layout) -> int:
+    """Stashes a zb-h1 rank holds at once: its table's slots, the scratch slot the engine
+    writes on other ticks, and the one being read and the one being written."""
+    return build_table("zb-h1", layout.stage, layout.microbatches).w_slots + 3
+
+
 def predict(config: Config, layout: Layout) -> Memory:
     """Per-device bytes of `config` run under `layout`."""
     params, moments, grads = state_bytes(config, layout)
@@ -270,6 +277,9 @@ def predict(config: Config, layout: Layout) -> Memory:
         # + the embedding and head gathered whole from their stage slices, on every rank
         activations = in_flight * stage_input + chunk * kept + working + end_bytes(config,
                                                                                   layout)
+        if layout.schedule == "zb-h1":  # B's stashes (one stage's activations) until their W
+            activations += zb_stashes(layout) * chunk * layer_activation_bytes(
+                config, layout, tokens, "none")
     else:
         activations = layers * kept + working
     vocab = m.vocab_size / layout.tensor
