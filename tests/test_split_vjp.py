@@ -77,3 +77,25 @@ def test_b_forms_no_weight_gradient_and_w_no_input_gradient():
     # W: one product per matrix (per layer inside its scan), none towards the input
     assert set(w_dots) <= weight_shapes, w_dots
     assert len(w_dots) == 3, w_dots
+
+
+def test_b_and_w_together_cost_one_backward():
+    """From the compiled programs: B's and W's FLOPs add up to the whole backward's (forward
+    recomputed once, in B), and W carries a real share of them."""
+    params, x, cotangent = problem()
+
+    def flops(fn, *args):
+        cost = jax.jit(fn).lower(*args).compile().cost_analysis()
+        return (cost[0] if isinstance(cost, list) else cost)["flops"]
+
+    def whole(p, x, c):
+        _, vjp, _ = jax.vjp(stage, p, x, has_aux=True)
+        return vjp(c)
+
+    split = SplitVJP()
+    b = flops(lambda p, x, c: split.input_grad(stage, p, x, c), params, x, cotangent)
+    _, stash = split.input_grad(stage, params, x, cotangent)
+    w = flops(split.weight_grad, stash)
+    backward = flops(whole, params, x, cotangent)
+    assert abs(b + w - backward) < 0.05 * backward, (b, w, backward)
+    assert w > 0.2 * backward, (b, w, backward)
