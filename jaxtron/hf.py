@@ -42,7 +42,7 @@ pairs (2i, 2i+1); HF's conversion script permutes them into this layout, so HF f
 DeepSeek's checkpoints keep the interleaved rows: with `rope_interleave` (the default) HF
 reorders q_rot and k_rot as x.view(d/2, 2).transpose -> [x0, x2, ..., x1, x3, ...] before
 `rotate_half`, and never back. Attention scores only need q and k in the same order, so our
-rotary rows are HF's rows in that order (`_ROPE_ORDER`), in q_proj / q_b_proj per head and in
+rotary rows are HF's rows in that order (`hf_tensors.rope_order`), in q_proj / q_b_proj per head and in
 kv_a_proj_with_mqa's last Kr rows. kv_b_proj holds W_uk and W_uv per head ([H, Kn + V, C]).
 Mixtral's router (softmax over all experts, top-k, renormalise the k weights) equals a softmax
 over the top-k logits, which is our `topk_then_softmax`.
@@ -56,167 +56,16 @@ import numpy as np
 
 from jaxtron.config import COMPUTE_DTYPES, Config
 from jaxtron.errors import ConfigError, DataError
+from jaxtron.hf_arch import (DEEPSEEK_V3, DEFAULTS, LLAMA, MISTRAL, MIXTRAL, MODEL_TYPES, QWEN2,
+                             QWEN3, QWEN3_MOE)
 from jaxtron.hf_files import load_hf_dir, save_hf_dir  # noqa: F401  (the module's API)
 from jaxtron.hf_rope import rope_from_hf, rope_theta, rope_to_hf
+from jaxtron.hf_tensors import FLAT, deepseek_rows, hf_shape, tensor_table
 
-LLAMA, MIXTRAL = "LlamaForCausalLM", "MixtralForCausalLM"
-QWEN3_MOE, DEEPSEEK_V3 = "Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM"
-QWEN3, MISTRAL, QWEN2 = "Qwen3ForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"
-MODEL_TYPES = {LLAMA: "llama", MIXTRAL: "mixtral", QWEN3_MOE: "qwen3_moe",
-               DEEPSEEK_V3: "deepseek_v3", QWEN3: "qwen3", MISTRAL: "mistral", QWEN2: "qwen2"}
-# HF config defaults for fields a config.json may omit (transformers' config classes).
-DEFAULTS = {LLAMA: {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
-                    "rope_theta": 10000.0},
-            MIXTRAL: {"max_position_embeddings": 4096 * 32, "rms_norm_eps": 1e-5,
-                      "rope_theta": 1e6, "sliding_window": None},
-            QWEN3: {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
-                    "rope_theta": 10000.0, "sliding_window": 4096},
-            QWEN2: {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
-                    "rope_theta": 10000.0, "sliding_window": 4096},
-            MISTRAL: {"max_position_embeddings": 4096 * 32, "rms_norm_eps": 1e-6,
-                      "rope_theta": 10000.0, "sliding_window": 4096},
-            QWEN3_MOE: {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
-                        "rope_theta": 10000.0, "norm_topk_prob": False,
-                        "sliding_window": 4096},
-            DEEPSEEK_V3: {"max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
-                          "rope_theta": 10000.0, "norm_topk_prob": True,
-                          "first_k_dense_replace": 3, "n_shared_experts": 1, "n_group": 8,
-                          "topk_group": 4, "routed_scaling_factor": 2.5, "q_lora_rank": 1536,
-                          "rope_interleave": True}}
-FLAT = -1  # a tensor table row's "input dims" for a bias: our [H, K] is HF's flat [H * K]
 IGNORED_TENSORS = ("rotary_emb.inv_freq",)  # a buffer older checkpoints saved; recomputed
 # DeepSeek-V3's e_score_correction_bias imports as a router_bias, which exists with
 # moe.bias_update_rate > 0: the rate DeepSeek-V3 trained with (gamma, arXiv:2412.19437 sec. 4.2).
 DEEPSEEK_BIAS_RATE = 1e-3
-
-
-def _rope_order(width: int) -> np.ndarray:
-    """HF DeepSeek's interleave-to-halves order: our rotary row j is HF's row _rope_order[j]."""
-    return np.concatenate([np.arange(0, width, 2), np.arange(1, width, 2)])
-
-
-def _tensor_table(dims: dict) -> list[tuple]:
-    """Every tensor as (hf name, our path, index into our array, our full shape, input dims).
-
-    `input dims` is how many leading axes of the indexed slice are a Linear's input (0: a norm
-    vector, copied as it is). `dims` holds N D H G K F V E (0 for a dense model), `arch`, and
-    per family: `qk_norm`, `mla` (Q C Kn Kr Vh), `shared` (width of the shared experts),
-    `bias` (a router bias). DeepSeek's kv_b_proj appears as two halves, `:k` and `:v`."""
-    n, d, h, g, k, f, v, e = (dims[c] for c in "NDHGKFVE")
-    arch, mla = dims["arch"], dims.get("mla")
-    rows = [("model.embed_tokens.weight", ("embedder", "embed"), (), (v, d), 0),
-            ("model.norm.weight", ("head", "final_norm", "scale"), (), (d,), 0)]
-    if not dims.get("tied"):  # tied: the head is the embedding table
-        rows.append(("lm_head.weight", ("head", "lm_head"), (), (d, v), 1))
-    first_dense = dims.get("first_dense", 0)
-    for i in range(n):
-        # DeepSeek-V3's first layers are dense: a stack of their own ("dense_blocks").
-        dense_layer = i < first_dense
-        stack, j, cnt = (("dense_blocks", i, first_dense) if dense_layer
-                         else ("blocks", i - first_dense, n - first_dense))
-        p, a = f"model.layers.{i}.", (stack, "attn")
-        rows += [(p + "input_layernorm.weight", (stack, "attn_norm", "scale"), (j,), (cnt, d), 0),
-                 (p + "post_attention_layernorm.weight", (stack, "mlp_norm", "scale"), (j,),
-                  (cnt, d), 0)]
-        if mla:
-            q, c, kn, kr, vh = (mla[x] for x in ("Q", "C", "Kn", "Kr", "Vh"))
-            s = p + "self_attn."
-            if q:
-                rows += [(s + "q_a_proj.weight", a + ("wq_down",), (j,), (cnt, d, q), 1),
-                         (s + "q_a_layernorm.weight", a + ("q_norm",), (j,), (cnt, q), 0),
-                         (s + "q_b_proj.weight", a + ("wq_up",), (j,), (cnt, q, h, kn + kr), 1)]
-            else:
-                rows.append((s + "q_proj.weight", a + ("wq",), (j,), (cnt, d, h, kn + kr), 1))
-            rows += [(s + "kv_a_proj_with_mqa.weight", a + ("wkv_down",), (j,), (cnt, d, c + kr),
-                      1),
-                     (s + "kv_a_layernorm.weight", a + ("kv_norm",), (j,), (cnt, c), 0),
-                     (s + "kv_b_proj.weight:k", a + ("wk_up",), (j,), (cnt, c, h, kn), 1),
-                     (s + "kv_b_proj.weight:v", a + ("wv_up",), (j,), (cnt, c, h, vh), 1),
-                     (s + "o_proj.weight", a + ("wo",), (j,), (cnt, h, vh, d), 2)]
-        else:
-            rows += [(p + "self_attn.q_proj.weight", a + ("wq",), (j,), (cnt, d, h, k), 1),
-                     (p + "self_attn.k_proj.weight", a + ("wk",), (j,), (cnt, d, g, k), 1),
-                     (p + "self_attn.v_proj.weight", a + ("wv",), (j,), (cnt, d, g, k), 1),
-                     (p + "self_attn.o_proj.weight", a + ("wo",), (j,), (cnt, h, k, d), 2)]
-            if dims.get("qkv_bias"):  # Qwen2
-                rows += [(p + f"self_attn.{x}_proj.bias", a + (f"b{x}",), (j,), (cnt, n_, k),
-                          FLAT) for x, n_ in (("q", h), ("k", g), ("v", g))]
-        if dims.get("qk_norm"):
-            rows += [(p + f"self_attn.{x}_norm.weight", a + (f"{x}_norm",), (j,), (cnt, k), 0)
-                     for x in "qk"]
-        if not e or dense_layer:
-            w = dims["dense_F"] if dense_layer else f
-            rows += [(p + f"mlp.{hf}_proj.weight", (stack, "mlp", ours), (j,), shape, 1)
-                     for hf, ours, shape in (("gate", "w_gate", (cnt, d, w)),
-                                             ("up", "w_up", (cnt, d, w)),
-                                             ("down", "w_down", (cnt, w, d)))]
-            continue
-        m = (stack, "mlp")
-        if arch == MIXTRAL:
-            rows.append((p + "block_sparse_moe.gate.weight", m + ("router",), (j,), (cnt, d, e), 1))
-            names, experts = ("w1", "w3", "w2"), p + "block_sparse_moe.experts."
-        else:
-            rows.append((p + "mlp.gate.weight", m + ("router",), (j,), (cnt, d, e), 1))
-            names, experts = ("gate_proj", "up_proj", "down_proj"), p + "mlp.experts."
-        for x in range(e):
-            q_ = f"{experts}{x}."
-            rows += [(q_ + names[0] + ".weight", m + ("w_gate",), (j, x), (cnt, e, d, f), 1),
-                     (q_ + names[1] + ".weight", m + ("w_up",), (j, x), (cnt, e, d, f), 1),
-                     (q_ + names[2] + ".weight", m + ("w_down",), (j, x), (cnt, e, f, d), 1)]
-        if dims.get("bias"):
-            rows.append((p + "mlp.gate.e_score_correction_bias", m + ("router_bias",), (j,),
-                         (cnt, e), 0))
-        if dims.get("shared"):
-            s_ = dims["shared"]
-            rows += [(p + f"mlp.shared_experts.{hf}_proj.weight", m + ("shared", ours), (j,),
-                      shape, 1)
-                     for hf, ours, shape in (("gate", "w_gate", (cnt, d, s_)),
-                                             ("up", "w_up", (cnt, d, s_)),
-                                             ("down", "w_down", (cnt, s_, d)))]
-    return rows
-
-
-def _hf_shape(full_shape, index, input_dims) -> tuple[int, ...]:
-    shape = full_shape[len(index):]
-    if input_dims == FLAT:
-        return (math.prod(shape),)
-    if not input_dims:
-        return tuple(shape)
-    return (math.prod(shape[input_dims:]), math.prod(shape[:input_dims]))
-
-
-def _deepseek_rows(tensors: dict, dims: dict, *, to_ours: bool) -> dict:
-    """DeepSeek's own rows <-> the table's: kv_b_proj split into its k and v halves, and the
-    rotary rows reordered (`_rope_order`) where the file interleaves them."""
-    mla, h = dims["mla"], dims["H"]
-    kn, kr, vh, c = mla["Kn"], mla["Kr"], mla["Vh"], mla["C"]
-    order = _rope_order(kr) if mla["interleave"] else np.arange(kr)
-    if not to_ours:
-        order = np.argsort(order)
-    out = dict(tensors)
-    for i in range(dims["N"]):
-        s = f"model.layers.{i}.self_attn."
-        q_name = s + ("q_b_proj.weight" if mla["Q"] else "q_proj.weight")
-        for name, rows in ((q_name, None), (s + "kv_a_proj_with_mqa.weight", c)):
-            if name not in out:
-                continue
-            w = np.asarray(out[name])
-            if rows is None:  # q: [H * (Kn + Kr), X], rotary rows last in each head
-                w = w.reshape(h, kn + kr, -1)
-                w = np.concatenate([w[:, :kn], w[:, kn:][:, order]], axis=1).reshape(h * (kn + kr), -1)
-            else:
-                w = np.concatenate([w[:rows], w[rows:][order]], axis=0)
-            out[name] = w
-        if to_ours and s + "kv_b_proj.weight" in out:
-            w = np.asarray(out.pop(s + "kv_b_proj.weight")).reshape(h, kn + vh, -1)
-            out[s + "kv_b_proj.weight:k"] = w[:, :kn].reshape(h * kn, -1)
-            out[s + "kv_b_proj.weight:v"] = w[:, kn:].reshape(h * vh, -1)
-        elif not to_ours:
-            k_part = out.pop(s + "kv_b_proj.weight:k").reshape(h, kn, -1)
-            v_part = out.pop(s + "kv_b_proj.weight:v").reshape(h, vh, -1)
-            out[s + "kv_b_proj.weight"] = np.ascontiguousarray(
-                np.concatenate([k_part, v_part], axis=1).reshape(h * (kn + vh), -1))
-    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -300,7 +149,7 @@ def to_hf(config: Config, params: dict) -> tuple[dict, dict[str, np.ndarray]]:
     arch = _export_arch(config)
     m, moe, dims = config.model, config.moe, _dims(config, arch)
     tensors = {}
-    for name, path, index, full_shape, input_dims in _tensor_table(dims):
+    for name, path, index, full_shape, input_dims in tensor_table(dims):
         node = params
         for key in path:
             if not isinstance(node, dict) or key not in node:
@@ -363,7 +212,7 @@ def to_hf(config: Config, params: dict) -> tuple[dict, dict[str, np.ndarray]]:
                 for i in range(dims["first_dense"], m.num_layers):
                     tensors[f"model.layers.{i}.mlp.gate.e_score_correction_bias"] = np.zeros(
                         moe.num_experts, np.float32)
-        tensors = _deepseek_rows(tensors, dims, to_ours=False)
+        tensors = deepseek_rows(tensors, dims, to_ours=False)
     else:
         hf.update(mlp_bias=False)
     return hf, tensors
@@ -587,14 +436,14 @@ def from_hf(hf_config: dict, state_dict: dict) -> tuple[dict, dict, dict]:
     if dims.get("tied"):  # transformers ties the head to the table whatever the file holds
         state_dict.pop("lm_head.weight", None)
     if arch == DEEPSEEK_V3:
-        state_dict = _deepseek_rows(_drop_deepseek_extras(hf_config, dims, state_dict), dims,
+        state_dict = deepseek_rows(_drop_deepseek_extras(hf_config, dims, state_dict), dims,
                                     to_ours=True)
-    table = _tensor_table(dims)
+    table = tensor_table(dims)
     _check_names(arch, {row[0] for row in table}, state_dict)
     arrays = {}
     for name, path, index, full_shape, input_dims in table:
         w = np.asarray(state_dict[name])
-        want = _hf_shape(full_shape, index, input_dims)
+        want = hf_shape(full_shape, index, input_dims)
         if w.shape != want:
             raise DataError(f"tensor {name} has shape {w.shape}; config.json implies {want}: "
                             "fix config.json or the weights so they agree.")

@@ -252,10 +252,11 @@ def test_hugging_face_window_fields_both_ways():
 
 def zero_params(config) -> dict:
     """Zero parameters in the model layout, shaped from the export table (no model built)."""
-    from jaxtron.hf import _dims, _export_arch, _tensor_table
+    from jaxtron.hf import _dims, _export_arch
+    from jaxtron.hf_tensors import tensor_table
 
     params = {}
-    for _, path, _, shape, _ in _tensor_table(_dims(config, _export_arch(config))):
+    for _, path, _, shape, _ in tensor_table(_dims(config, _export_arch(config))):
         node = params
         for key in path[:-1]:
             node = node.setdefault(key, {})
