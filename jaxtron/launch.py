@@ -17,7 +17,10 @@ steps after that checkpoint are computed again and give the same losses. A bad i
 With `--launcher "srun --kill-on-bad-exit=1"` (inside a SLURM allocation) the supervisor
 starts that command with the training command as its one child: srun places a process on every
 node, SLURM's variables join them (`jaxtron.distributed`), a failed task ends the step, and
-the supervisor restarts the step the same way.
+the supervisor restarts the step the same way. A node srun names for a failed task
+(`srun: error: <node>: task <n>: ...`) `--drop-after` times in a row is left out of the next
+step (`--exclude`, with `--nodes`/`--ntasks` for the processes left; `jaxtron.slurm_step`),
+under the same rules as a dropped local process below.
 
 With `--min-processes K` a process that caused `--drop-after` failures in a row (a host that
 keeps dying) is dropped: the job restarts on fewer processes, down to K (a divisor of the
@@ -59,6 +62,7 @@ from jaxtron.errors import JaxtronError, exits_on_user_error
 from jaxtron.planner.hardware import HARDWARE
 from jaxtron.planner.memory import memory_budget_bytes
 from jaxtron.run_dir import last_logged_step, metric_rows
+from jaxtron.slurm_step import FailedNodes, step_options
 
 USER_ERROR = 2  # the status a JaxtronError ends a command with: not worth retrying
 
@@ -88,10 +92,11 @@ def describe_exit(rank: int, status: int) -> str:
 
 
 class LocalJob:
-    """The job's training processes on this machine: `start(restart)` launches them on a
-    fresh coordinator port (a restart resumes from the run dir's checkpoints whatever
-    `train.resume` the job was given); `shrink(rank)` drops a lost process for good, down to
-    `min_processes`, with the overrides that keep the global batch (`jaxtron.elastic`)."""
+    """The job's training processes (on this machine, or srun's step): `start(restart)`
+    launches them on a fresh coordinator port (a restart resumes from the run dir's
+    checkpoints whatever `train.resume` the job was given); `shrink(culprit)` drops a lost
+    process (or srun node) for good, down to `min_processes`, with the overrides that keep the
+    global batch (`jaxtron.elastic`)."""
 
     def __init__(self, processes: int, train_args: list[str], config: config_lib.Config,
                  cpu_devices: int | None, heartbeat_timeout_s: int, min_processes: int,
@@ -103,11 +108,19 @@ class LocalJob:
         self.cpu_devices, self.heartbeat_timeout_s = cpu_devices, heartbeat_timeout_s
         self.min_processes = min_processes
         self.overrides: list[str] = []
+        self.excluded: list[str] = []  # nodes left out of the launcher's steps
+        self._step_errors: FailedNodes | None = None
 
-    def shrink(self, rank: int) -> str | None:
-        """Continue without process `rank`; None when no fewer processes may run."""
-        if self.launcher:  # the launcher (srun) places the processes, not this supervisor
-            return None
+    def blame(self, rank: int) -> int | str | None:
+        """Who caused a failure of child `rank`: that process, or under a launcher the node
+        srun named (None when it named none)."""
+        if not self.launcher:
+            return rank
+        return self._step_errors.wait() if self._step_errors else None
+
+    def shrink(self, culprit: int | str) -> str | None:
+        """Continue without process (or node) `culprit`; None when no fewer processes may
+        run."""
         after = self.processes - 1
         while after >= self.min_processes and self.started_with % after:
             after -= 1  # the mesh splits evenly over a divisor of the starting count
@@ -115,17 +128,24 @@ class LocalJob:
             return None
         self.overrides = shrink_within(self.config, self.started_with, after, self.devices)
         self.processes = after
-        return (f"continuing on {after} process(es) without process {rank}, same global batch: "
+        if self.launcher:
+            self.excluded.append(culprit)
+        what = f"node {culprit}" if self.launcher else f"process {culprit}"
+        return (f"continuing on {after} process(es) without {what}, same global batch: "
                 f"{' '.join(self.overrides)}")
 
     def grow(self) -> str:
         """Back to the processes the job started with (their layout, no overrides)."""
-        self.processes, self.overrides = self.started_with, []
+        self.processes, self.overrides, self.excluded = self.started_with, [], []
         return f"growing back to {self.processes} process(es)"
 
     def start(self, restart: bool) -> list[subprocess.Popen]:
         if self.launcher:  # one child: the launcher starts every process and their settings
-            return [subprocess.Popen([*self.launcher, *self._command(restart)])]
+            options = step_options(self.excluded, self.processes)
+            step = subprocess.Popen([*self.launcher, *options, *self._command(restart)],
+                                    stderr=subprocess.PIPE, text=True)
+            self._step_errors = FailedNodes(step.stderr)
+            return [step]
         processes, cpu_devices = self.processes, self.cpu_devices
         port = free_port()
         children = []
@@ -160,12 +180,13 @@ def _stop(children: list[subprocess.Popen]) -> None:
 def supervise(start, run_dir: Path, max_restarts: int, stall_timeout_s: float,
               poll_s: float = 0.2, tokens_per_step: int = 0, log_every: int = 1,
               shrink=None, drop_after: int = 2, grow=None, grow_after_s: float = 600,
-              target_steps: int | None = None) -> int:
+              target_steps: int | None = None, blame=None) -> int:
     """Run the job `start(restart)` starts until it succeeds (every process exits 0, and the
     run has logged `target_steps` when given); restart it after each failure. After
     `drop_after` failures in a row caused by the same process, `shrink(rank)` the job if it
     can, and `grow_after_s` later stop it with SIGTERM (every process saves the same step and
-    exits) and `grow()` it back. -> 0, or the user-error status; LaunchFailed when restarts
+    exits) and `grow()` it back. `blame(rank)` names who caused a failure of child `rank`
+    (default: that process). -> 0, or the user-error status; LaunchFailed when restarts
     are exhausted."""
     restarts, failed_at, lost_total, launched = 0, None, 0, time.monotonic()
     cause, in_a_row, shrunk_at = None, 0, None
@@ -192,7 +213,10 @@ def supervise(start, run_dir: Path, max_restarts: int, stall_timeout_s: float,
             if bad:
                 _, rank, status = bad[0]
                 reason = describe_exit(rank, status)
-                cause, in_a_row = rank, in_a_row + 1 if rank == cause else 1
+                who = blame(rank) if blame is not None else rank
+                if who != rank and who is not None:
+                    reason += f" (srun: a task failed on {who})"
+                cause, in_a_row = who, in_a_row + 1 if who == cause else 1
             elif all(s == 0 for s in statuses):
                 done = last_logged_step(run_dir)
                 if target_steps is None or done >= target_steps:
@@ -288,7 +312,9 @@ def main(argv=None) -> int:
     split = argv.index("--")
     parser = argparse.ArgumentParser(prog="python -m jaxtron.launch",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--processes", type=int, default=1, help="training processes to run")
+    parser.add_argument("--processes", type=int, default=1,
+                        help="training processes to run (under --launcher: the step's tasks, "
+                             "one per node)")
     parser.add_argument("--launcher",
                         help="a command that starts the processes itself, e.g. \"srun "
                              "--kill-on-bad-exit=1\" inside a SLURM allocation: the supervisor "
@@ -332,7 +358,7 @@ def main(argv=None) -> int:
                      tokens_per_step=config.train.batch_size * config.data.seq_len,
                      log_every=config.train.log_every, shrink=job.shrink,
                      drop_after=args.drop_after, grow=job.grow, grow_after_s=args.grow_after_s,
-                     target_steps=config.train.steps)
+                     target_steps=config.train.steps, blame=job.blame)
 
 
 if __name__ == "__main__":

@@ -216,6 +216,32 @@ def test_a_launcher_command_starts_the_job_as_one_child(tmp_path):
     assert sorted(losses_by_step(tmp_path)) == [1, 2]
 
 
+def test_a_node_srun_reports_failing_twice_is_excluded_from_the_next_step(tmp_path):
+    """Under `--launcher`, srun's `error: node1: task 1: ...` lines name the node: after two
+    failures on it the next step runs `--exclude=node1 --nodes=1 --ntasks=1`, on one process
+    at the same global batch, and trains to the end (tests/fake_srun.py stands in for srun)."""
+    steps_log = tmp_path / "srun.jsonl"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", FAKE_SRUN_NODES="node0,node1",
+               FAKE_SRUN_BROKEN="node1", FAKE_SRUN_LOG=str(steps_log),
+               XLA_FLAGS=f"{FAST_COMPILE_FLAG} --xla_force_host_platform_device_count=4")
+    run_dir = tmp_path / "run"
+    out = subprocess.run(
+        [sys.executable, "-m", "jaxtron.launch", "--launcher",
+         f"{sys.executable} tests/fake_srun.py --kill-on-bad-exit=1", "--processes", "2",
+         "--min-processes", "1", "--drop-after", "2", "--max-restarts", "3", "--",
+         *BASE, "mesh.dcn_data=2", "train.steps=4", f"train.run_dir={run_dir}"],
+        capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    events = [r["event"] for r in records(run_dir)]
+    assert events[:2] == ["process 0 exited with status 1 (srun: a task failed on node1)"] * 2
+    assert events[2] == ("continuing on 1 process(es) without node node1, same global batch: "
+                         "mesh.data=1 mesh.dcn_data=1 optim.grad_accum=2"), events
+    steps = [json.loads(line) for line in steps_log.read_text().splitlines()]
+    assert [s.get("exclude") for s in steps] == [None, None, "node1"]
+    assert steps[-1]["nodes"] == steps[-1]["ntasks"] == "1"
+    assert sorted(losses_by_step(run_dir)) == [1, 2, 3, 4]
+
+
 def test_the_newest_step_is_read_from_the_end_and_a_cut_row_is_skipped(tmp_path):
     rows = "".join(json.dumps({"step": s, "loss": 1.0, "pad": "x" * 100}) + "\n"
                    for s in range(1, 2001))
@@ -229,3 +255,14 @@ def test_memory_for_shrinking_needs_the_devices_per_process(capsys):
 
     assert main(["--device-memory", "80GiB", "--", "--config", "configs/tiny.yaml"]) == 2
     assert "add --devices-per-process" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_srun_error_lines_name_the_failed_node():
+    from jaxtron.slurm_step import failed_node, step_options
+
+    assert failed_node("srun: error: node12: task 3: Killed") == "node12"
+    assert failed_node("srun: error: gpu-a-01: tasks 0-3: Exited with exit code 1") == "gpu-a-01"
+    assert failed_node("srun: error: Timed out waiting for job step to complete") is None
+    assert failed_node("step 10 | loss 2.3") is None
+    assert step_options([], 4) == []
+    assert step_options(["a", "b"], 2) == ["--exclude=a,b", "--nodes=2", "--ntasks=2"]
