@@ -79,3 +79,22 @@ def test_context_parallel_pipeline_equals_one_device(packed):
     np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
     for a, b in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1]), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-7)
+
+
+@pytest.mark.parametrize("layout, model", [
+    ({"data.packing": "documents", "mesh.sequence": 2, "data.seq_len": 64}, {}),
+    ({"model.fp8": "tensorwise"}, {"tie_embeddings": True, "mtp_depth": 1})])
+def test_zb_h1_computes_1f1bs_numbers_with_every_stage_feature(layout, model):
+    """The split backward changes only when weight gradients are formed: the objective and
+    every gradient equal 1F1B's (itself tested against one device) with packed documents and
+    context parallelism inside stages, fp8 matmuls, tied embeddings and multi-token
+    prediction."""
+    results = []
+    for schedule in ("1f1b", "zb-h1"):
+        config = make_config({"mesh.data": 1, "mesh.stage": 2, "pipeline.microbatches": 2,
+                              "pipeline.schedule": schedule, **layout}, model=model)
+        results.append(first_batch_objective_metrics_grads(config, 2 * config.mesh.sequence))
+    (objective, _, grads), (zb_objective, _, zb_grads) = results
+    np.testing.assert_allclose(zb_objective, objective, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(zb_grads), jax.tree.leaves(grads), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
