@@ -34,7 +34,7 @@ REMAT_POLICIES = ("none", "full", "save_dots")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "pallas")
 MODEL_TYPES = ("llama", "gpt2")
 ATTENTIONS = ("mha", "mla")
-PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1")
+PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1", "zbv")
 
 
 @dataclass(frozen=True)

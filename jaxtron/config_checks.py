@@ -247,13 +247,17 @@ def _validate_pipeline(c: Config) -> None:
                f"(got {v}); use 1f1b for one chunk per device.")
         _check(m % stages == 0, f"pipeline.schedule=interleaved needs pipeline.microbatches "
                f"({m}) to be a multiple of mesh.stage ({stages}).")
+    elif pp.schedule == "zbv":
+        _check(v == 2, f"pipeline.schedule=zbv runs two chunks per rank: set "
+               f"pipeline.virtual_stages=2 (got {v}).")
     else:
         _check(v == 1, f"pipeline.virtual_stages={v} needs pipeline.schedule=interleaved.")
-    if pp.schedule == "zb-h1":
+    if pp.schedule in ("zb-h1", "zbv"):
         # XLA refuses the weight-gradient job's conditional (the head's gradient is sharded
-        # over `tensor` on the last rank, zeros elsewhere).
-        _check(c.mesh.tensor == 1, "pipeline.schedule=zb-h1 does not run with mesh.tensor > 1 "
-               "yet; use pipeline.schedule=1f1b, or fsdp instead of tensor inside stages.")
+        # over `tensor` on the loss's rank, zeros elsewhere).
+        _check(c.mesh.tensor == 1, f"pipeline.schedule={pp.schedule} does not run with "
+               "mesh.tensor > 1 yet; use pipeline.schedule=1f1b, or fsdp instead of tensor "
+               "inside stages.")
     n_virtual = stages * v
     every = c.moe.every if c.moe.enabled else 1  # MoE models split in groups of `every` blocks
     if pp.layers_per_stage is None:

@@ -58,12 +58,14 @@ class PipelinedTransformer:
         counts = c.pipeline.layers_per_stage
         if counts is not None:
             counts = (counts[0] - dense, *counts[1:])
+        v_shape = c.pipeline.schedule == "zbv"  # chunks down the ranks and back up
         self.layout = split_layers(c.moe.stacked_layers(c.model.num_layers) // every, p, v,
-                                   None if counts is None else tuple(n // every for n in counts))
+                                   None if counts is None else tuple(n // every for n in counts),
+                                   v_shape)
         self.table = build_table(c.pipeline.schedule, p, m, v)
         # Evaluation cuts the batch as finely as a training step does (microbatches of every
         # accumulation step), so it never holds larger activations than training.
-        self.eval_table = forward_table(p, m * c.optim.grad_accum, v)
+        self.eval_table = forward_table(p, m * c.optim.grad_accum, v, v_shape)
         model = nnx.eval_shape(lambda: Transformer(c.model, rngs=nnx.Rngs(0), moe=c.moe))
         self.embedder_def = nnx.graphdef(model.embedder)
         self.blocks_def = nnx.graphdef(model.blocks)

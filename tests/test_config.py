@@ -69,6 +69,7 @@ def test_shipped_configs_load():
     (["mesh.stage=2", "pipeline.virtual_stages=2"], "needs pipeline.schedule=interleaved"),
     (["mesh.stage=2", "mesh.tensor=2", "mesh.data=1", "pipeline.schedule=zb-h1"],
      "zb-h1 does not run with mesh.tensor > 1"),
+    (["mesh.stage=2", "pipeline.schedule=zbv"], "set pipeline.virtual_stages=2 (got 1)"),
     (["mesh.stage=2", "pipeline.schedule=interleaved", "pipeline.virtual_stages=2",
       "pipeline.microbatches=3"], "to be a multiple of mesh.stage (2)"),
     (["mesh.stage=4", "model.num_layers=3"], "cannot be split over mesh.stage x"),

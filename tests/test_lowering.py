@@ -111,6 +111,8 @@ LAYOUTS = {
                     "model.num_layers": 4},
     "zb_h1": {"mesh.data": 4, "mesh.stage": 2, "pipeline.microbatches": 2,
               "pipeline.schedule": "zb-h1"},
+    "zbv": {"mesh.data": 4, "mesh.stage": 2, "pipeline.microbatches": 2,
+            "pipeline.schedule": "zbv", "pipeline.virtual_stages": 2, "model.num_layers": 4},
     "expert_capacity": {"mesh.data": 4, "mesh.expert": 2, "moe.num_experts": 4},
     "expert_dropless": {"mesh.data": 4, "mesh.expert": 2, "moe.num_experts": 4,
                         "moe.mode": "dropless"},

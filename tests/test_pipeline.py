@@ -132,6 +132,8 @@ CASES = {
                          "pipeline.schedule": "zb-h1"},
     "zbh1_p2_data2_fsdp2": {"mesh.stage": 2, "mesh.data": 2, "mesh.fsdp": 2,
                             "pipeline.microbatches": 2, "pipeline.schedule": "zb-h1"},
+    "zbv_p2_m4_fsdp2": {"mesh.stage": 2, "mesh.fsdp": 2, "pipeline.microbatches": 4,
+                        "pipeline.schedule": "zbv", "pipeline.virtual_stages": 2},
     "zbh1_uneven_p2_user_split": {"mesh.stage": 2, "pipeline.microbatches": 4,
                                   "pipeline.layers_per_stage": [1, 3],
                                   "pipeline.schedule": "zb-h1"},
@@ -167,6 +169,15 @@ def test_interleaved_over_four_stages_matches_sequential_model():
     model = {"num_layers": 8}
     layout = {"mesh.data": 1, "mesh.stage": 4, "pipeline.microbatches": 4,
               "pipeline.schedule": "interleaved", "pipeline.virtual_stages": 2}
+    assert_same(run(layout, model), run({"mesh.data": 1}, model))
+
+
+def test_zbv_over_four_stages_with_data_and_uneven_chunks_matches_sequential_model():
+    """The V: virtual stage d down the ranks, 2p-1-d back up, embedding and loss on rank 0;
+    9 layers over 8 chunks (one chunk of two), data-parallel pairs."""
+    model = {"num_layers": 9}
+    layout = {"mesh.data": 2, "mesh.stage": 4, "pipeline.microbatches": 4,
+              "pipeline.schedule": "zbv", "pipeline.virtual_stages": 2}
     assert_same(run(layout, model), run({"mesh.data": 1}, model))
 
 
@@ -248,10 +259,10 @@ def test_chunked_cross_entropy_is_honoured_under_a_pipeline(big_vocab):
             <= step.memory_analysis().temp_size_in_bytes)
 
 
-def temp_bytes(schedule, m):
+def temp_bytes(schedule, m, layers=4, virtual=1):
     config = make_config({"mesh.data": 1, "mesh.stage": 4, "pipeline.microbatches": m,
-                          "pipeline.schedule": schedule},
-                         model={"num_layers": 4, "d_model": 128, "mlp_dim": 256},
+                          "pipeline.schedule": schedule, "pipeline.virtual_stages": virtual},
+                         model={"num_layers": layers, "d_model": 128, "mlp_dim": 256},
                          train={"batch_size": 2 * m}, data={"seq_len": 64})
     trainer = Trainer(config, devices=jax.devices()[:4])
     compiled = trainer.compile_step(trainer.abstract_state(), trainer.abstract_batch())
@@ -266,13 +277,13 @@ def test_1f1b_memory_is_flat_in_microbatches_while_gpipe_grows():
     assert gpipe[1] - gpipe[0] >= 0.9 * 12 * activation, gpipe
 
 
-def test_zb_h1_memory_is_1f1bs_plus_its_stashes_and_flat_in_microbatches(monkeypatch):
-    """zb-h1 keeps 1F1B's stage inputs and adds B's stashes (the weights' inputs and output
-    gradients a W reads): the table's slots, a scratch slot, and the one read and the one
-    written in a tick. The stash's bytes are recorded as the engine traces B."""
+@pytest.mark.parametrize("schedule, virtual", [("zb-h1", 1), ("zbv", 2)])
+def test_zero_bubble_memory_is_1f1bs_plus_its_stashes(monkeypatch, schedule, virtual):
+    """A split schedule keeps 1F1B's stage inputs (zbv: its table's count of chunk inputs) and
+    adds B's stashes (the weights' inputs and output gradients a W reads): the table's stash
+    slots, a scratch slot, and the one read and the one written in a tick. The stash's bytes
+    are recorded as the engine traces B; zb-h1's memory is flat in m."""
     from jaxtron.pipeline import split_vjp
-    from jaxtron.planner.memory import zb_stashes
-    from jaxtron.planner.layout import Layout
 
     stash_bytes = []
     traced = split_vjp.SplitVJP.input_grad
@@ -284,11 +295,14 @@ def test_zb_h1_memory_is_1f1bs_plus_its_stashes_and_flat_in_microbatches(monkeyp
 
     monkeypatch.setattr(split_vjp.SplitVJP, "input_grad", recording)
     activation = 2 * 64 * 128 * 4
-    zb = [temp_bytes("zb-h1", m) for m in (4, 16)]
-    assert abs(zb[1] - zb[0]) < activation, zb
-    extra = zb[0] - temp_bytes("1f1b", 4)
-    formula = zb_stashes(Layout(stage=4, microbatches=4)) * stash_bytes[-1]
+    split = temp_bytes(schedule, 4, 8, virtual)
+    table, one_f_one_b = build_table(schedule, 4, 4, virtual), build_table("1f1b", 4, 4)
+    held = (table.act_slots - one_f_one_b.act_slots) + (table.grad_slots - one_f_one_b.grad_slots)
+    formula = (table.w_slots + 3) * stash_bytes[-1] + held * activation
+    extra = split - temp_bytes("1f1b", 4, 8)
     assert abs(extra - formula) < 0.1 * formula, (extra, formula)
+    if schedule == "zb-h1":
+        assert abs(temp_bytes(schedule, 16, 8) - split) < activation
 
 
 def test_train_cli_with_two_stages(tmp_path):

@@ -38,6 +38,9 @@ CASES = {
     "zb_h1_dropless_every2_uneven_stage2_expert2_data2": (
         {"stage": 2, "expert": 2, "data": 2}, {"mode": "dropless", "every": 2},
         {"microbatches": 2, "layers_per_stage": [2, 6], "schedule": "zb-h1"}, 8),
+    "zbv_dropless_stage2_expert2_data2": (
+        {"stage": 2, "expert": 2, "data": 2}, {"mode": "dropless"},
+        {"microbatches": 2, "schedule": "zbv", "virtual_stages": 2}, 4),
     "interleaved_stage2_data2": (
         {"stage": 2, "data": 2}, {}, {"microbatches": 2, "schedule": "interleaved",
                                       "virtual_stages": 2}, 4),

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jaxtron.pipeline import split_backward
-from jaxtron.pipeline.schedule import WEIGHT_GRAD, build_table, forward_table
+from jaxtron.pipeline.schedule import WEIGHT_GRAD, build_table, forward_table, virtual_stage
 from jaxtron.pipeline.validate import ScheduleError, check
 
 
@@ -74,3 +74,28 @@ def test_show_draws_zb_h1_with_its_bubble():
                           "--microbatches", "8", "--schedule", "zb-h1"],
                          capture_output=True, text=True, check=True).stdout
     assert "W7" in out and "bubble 0.1111" in out and "1F1B in the same units" in out
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+@pytest.mark.parametrize("m", [2, 8, 16, 32])
+def test_zbv_nearly_removes_the_bubble_at_1f1bs_memory(p, m):
+    """Two chunks per rank in a V: both ends on rank 0, a smaller bubble than ZB-H1's at the
+    same (p, m) (ticks of chunk jobs against ticks of stage jobs), and at most 2p chunk
+    activations held, 1F1B's p whole stages."""
+    table = build_table("zbv", p, m)
+    result = check(table)
+    assert table.v_shape and table.virtual == 2
+    assert set(table.chunk[table.kind > 0]) == {0, 1}
+    # the validator checked each job on its owner: rank 0 runs virtual stage 2p - 1 (the loss)
+    assert virtual_stage(0, 1, p, v_shape=True) == 2 * p - 1 and table.chunk[:, 0].max() == 1
+    assert table.bubble < build_table("zb-h1", p, m).bubble
+    assert max(result.peak_in_flight) <= 2 * p
+    if m >= 2 * p:
+        assert table.bubble < 0.08, table.bubble
+
+
+def test_show_draws_zbv():
+    out = subprocess.run([sys.executable, "-m", "jaxtron.pipeline.show", "--stages", "4",
+                          "--microbatches", "8", "--schedule", "zbv"],
+                         capture_output=True, text=True, check=True).stdout
+    assert "W7.0" in out and "F0.1" in out and "bubble 0.0588" in out

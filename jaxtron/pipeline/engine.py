@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
-from jaxtron.pipeline.schedule import INPUT_GRAD, Table
+from jaxtron.pipeline.schedule import DOWN, INPUT_GRAD, UP, Table
 from jaxtron.pipeline.split_vjp import SplitVJP
 from jaxtron.sharding.rules import manual_axes, shard_map_mesh, without_mesh_axis
 
@@ -88,7 +88,10 @@ class _Plan:
         self.last_stage = table.stages * table.virtual - 1
         self.tabs = {name: jnp.asarray(getattr(table, name)) for name in
                      ("kind", "microbatch", "chunk", "act_slot", "grad_slot", "recv_act",
-                      "recv_grad", "w_slot")}
+                      "recv_grad", "w_slot", "recv_act_up", "recv_act_self", "recv_grad_down",
+                      "recv_grad_self", "send_dir")}
+        # The loss's rank: p - 1 around a ring, rank 0 at the top of a V.
+        self.last_rank = 0 if table.v_shape else self.p - 1
         self.forward_ring = [(d, (d + 1) % self.p) for d in range(self.p)]
         self.backward_ring = [(d, (d - 1) % self.p) for d in range(self.p)]
 
@@ -117,12 +120,40 @@ class _Plan:
 
     def ends(self, first_s, last_s, shared_s, me):
         p = self.p
-        return (_gather(first_s, (0,), me, p), _gather(last_s, (p - 1,), me, p),
-                _gather(shared_s, (0, p - 1), me, p))
+        last = self.last_rank
+        return (_gather(first_s, (0,), me, p), _gather(last_s, (last,), me, p),
+                _gather(shared_s, tuple(sorted({0, last})), me, p))
+
+    def stage_of(self, chunk, me):
+        """The virtual stage this rank's `chunk` runs (`schedule.virtual_stage`)."""
+        if self.table.v_shape:
+            return jnp.where(chunk == 0, me, 2 * self.p - 1 - me)
+        return chunk * self.p + me
+
+    def exchange(self, t, me, out, buffers):
+        """After a V table's tick: send this rank's output `out` the way `send_dir` says and
+        store what arrives (from d - 1, from d + 1, or this rank's own turn at the bottom of
+        the V) where the table says, in `buffers` ({"acts": ..., "grads_in": ...})."""
+        tabs, direction = self.tabs, self.tabs["send_dir"][t, me]
+        none = jnp.zeros_like(out)
+        got_down = jax.lax.ppermute(jnp.where(direction == DOWN, out, none), AXIS,
+                                    self.forward_ring)
+        got_up = jax.lax.ppermute(jnp.where(direction == UP, out, none), AXIS,
+                                  self.backward_ring)
+        writes = {"acts": (("recv_act", got_down), ("recv_act_up", got_up),
+                           ("recv_act_self", out)),
+                  "grads_in": (("recv_grad_down", got_down), ("recv_grad", got_up),
+                               ("recv_grad_self", out))}
+        out_buffers = {}
+        for name, buffer in buffers.items():
+            for slots, value in writes[name]:
+                buffer = buffer.at[tabs[slots][t, me]].set(value)
+            out_buffers[name] = buffer
+        return out_buffers
 
     def composite(self, me, inputs, targets, micro, chunk, chunk_active, fp, sp, cp, lp, x_in):
         """One virtual stage: embed first if it is the first, add the loss if the last."""
-        virtual_stage = chunk * self.p + me
+        virtual_stage = self.stage_of(chunk, me)
         inputs, targets = microbatch(inputs, micro), microbatch(targets, micro)
         x = jax.lax.cond(virtual_stage == 0, lambda: self.first_fn(fp, sp, inputs),
                          lambda: x_in)
@@ -217,14 +248,14 @@ def pipeline_value_and_grad(table: Table, mesh: Mesh, first_fn: Callable, stage_
                                                      last_p, x_in)
             carry = dict(carry, loss=carry["loss"] + objective * scale,
                          metrics=plan.add_metrics(carry["metrics"], metrics, chunk, scale))
-            is_last = chunk * p + me == plan.last_stage
+            is_last = plan.stage_of(chunk, me) == plan.last_stage
             return carry, jnp.where(is_last, zeros_x, y), zeros_x
 
         def stage_job(carry, t):
             """(run, its inputs, the output cotangent) of the backward at tick t."""
             micro, chunk = tabs["microbatch"][t, me], tabs["chunk"][t, me]
             x_in = carry["acts"][tabs["act_slot"][t, me]]
-            is_last = chunk * p + me == plan.last_stage
+            is_last = plan.stage_of(chunk, me) == plan.last_stage
             dy = jnp.where(is_last, zeros_x, carry["grads_in"][tabs["grad_slot"][t, me]])
             dloss = jnp.asarray(scale, jnp.float32)  # every stage may add auxiliary terms
             chunk_p, chunk_active = plan.chunk(stage_p, active, chunk)
@@ -243,7 +274,7 @@ def pipeline_value_and_grad(table: Table, mesh: Mesh, first_fn: Callable, stage_
                                      g_chunk))
 
         def sent_back(t, dx):
-            is_first = tabs["chunk"][t, me] * p + me == 0
+            is_first = plan.stage_of(tabs["chunk"][t, me], me) == 0
             return jnp.where(is_first, zeros_x, dx)
 
         def backward(carry, t):
@@ -290,6 +321,9 @@ def pipeline_value_and_grad(table: Table, mesh: Mesh, first_fn: Callable, stage_
 
         def tick(t, carry):
             carry, send_fwd, send_bwd = run_job(dict(carry), t)
+            if table.v_shape:  # one output per tick, one job's: the other send is zeros
+                buffers = {"acts": carry["acts"], "grads_in": carry["grads_in"]}
+                return dict(carry, **plan.exchange(t, me, send_fwd + send_bwd, buffers))
             got_fwd = jax.lax.ppermute(send_fwd, AXIS, plan.forward_ring)
             got_bwd = jax.lax.ppermute(send_bwd, AXIS, plan.backward_ring)
             return dict(carry, acts=carry["acts"].at[tabs["recv_act"][t, me]].set(got_fwd),
@@ -368,12 +402,14 @@ def pipeline_loss(table: Table, mesh: Mesh, first_fn: Callable, stage_fn: Callab
             chunk_p, chunk_active = plan.chunk(stage_p, active, chunk)
             (y, _), metrics = plan.composite(me, inputs, targets, micro, chunk, chunk_active,
                                              first_p, shared_p, chunk_p, last_p, x_in)
-            is_last = chunk * p + me == plan.last_stage
+            is_last = plan.stage_of(chunk, me) == plan.last_stage
             return (dict(carry, loss=carry["loss"] + metrics["loss"] / m),
                     jnp.where(is_last, zeros_x, y))
 
         def tick(t, carry):
             carry, send = jax.lax.switch(tabs["kind"][t, me], (idle, forward), carry, t)
+            if table.v_shape:
+                return dict(carry, **plan.exchange(t, me, send, {"acts": carry["acts"]}))
             got = jax.lax.ppermute(send, AXIS, plan.forward_ring)
             return dict(carry, acts=carry["acts"].at[tabs["recv_act"][t, me]].set(got))
 

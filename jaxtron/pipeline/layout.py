@@ -1,5 +1,6 @@
 """Which layers live on which pipeline rank: virtual stage `c * p + d` holds a contiguous run of
-layers, chunk c of device d.
+layers, chunk c of device d (in a V, `zbv`, chunk 1 of device d is virtual stage 2p-1-d:
+`schedule.virtual_stage`).
 
 Stacked layer parameters `[N, ...]` are stored in the pipeline layout `[p, v, Lmax, ...]`
 (sharded over the `stage` axis on the first dimension), where Lmax is the longest run; shorter
@@ -18,6 +19,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jaxtron.pipeline.schedule import owner
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +50,7 @@ class Layout:
 
 
 def split_layers(num_layers: int, stages: int, virtual: int = 1,
-                 counts: tuple[int, ...] | None = None) -> Layout:
+                 counts: tuple[int, ...] | None = None, v_shape: bool = False) -> Layout:
     """Contiguous runs per virtual stage: `counts` if given, else as even as possible with the
     extra layers on the earliest virtual stages."""
     n_virtual = stages * virtual
@@ -62,7 +65,7 @@ def split_layers(num_layers: int, stages: int, virtual: int = 1,
     active = np.zeros((stages, virtual, longest), bool)
     start = 0
     for vs, count in enumerate(counts):
-        chunk, device = divmod(vs, stages)
+        device, chunk = owner(vs, stages, v_shape)
         index[device, chunk, :count] = np.arange(start, start + count)
         active[device, chunk, :count] = True
         start += count

@@ -28,8 +28,9 @@ import dataclasses
 import numpy as np
 
 IDLE, FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD = 0, 1, 2, 3, 4
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
-SPLIT_SCHEDULES = ("zb-h1",)  # B and W apart
+DOWN, UP, SELF, NOWHERE = 0, 1, 2, 3  # where a value goes: rank d + 1, d - 1, d itself
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
+SPLIT_SCHEDULES = ("zb-h1", "zbv")  # B and W apart; zbv is drawn, not run yet
 LETTERS = {FORWARD: "F", BACKWARD: "B", INPUT_GRAD: "B", WEIGHT_GRAD: "W"}
 
 
@@ -75,6 +76,22 @@ def _one_forward_one_backward(forwards, backwards, warmup: int) -> list[Action]:
     return order + list(backwards[len(forwards) - warmup:])
 
 
+def virtual_stage(rank: int, chunk: int, p: int, v_shape: bool = False) -> int:
+    """The virtual stage a rank's chunk runs: c*p + d around a ring (interleaved), or down the
+    ranks and back up a V (zbv: chunk 1 of rank d is stage 2p-1-d, so rank 0 holds both
+    ends)."""
+    if v_shape:
+        return rank if chunk == 0 else 2 * p - 1 - rank
+    return chunk * p + rank
+
+
+def owner(stage: int, p: int, v_shape: bool = False) -> tuple[int, int]:
+    """(rank, chunk) that runs virtual stage `stage`: the inverse of `virtual_stage`."""
+    if v_shape:
+        return (stage, 0) if stage < p else (2 * p - 1 - stage, 1)
+    return stage % p, stage // p
+
+
 class TickTable:
     """What every tick table shares: `kind` is [ticks, ranks], 0 where a rank idles."""
     kind: np.ndarray
@@ -95,7 +112,12 @@ class Table(TickTable):
     act_slot / grad_slot: where the input activation / incoming gradient of the action is.
     recv_act / recv_grad: where to store what arrives at the end of the tick; the last slot
     (index act_slots / grad_slots) is scratch for values nobody needs. w_slot: where a B leaves
-    what its W reads (split tables; w_slots is 0 for the others).
+    what its W reads (split tables; w_slots is 0 for the others). Around a ring activations
+    arrive from rank d - 1 (`recv_act`) and gradients from d + 1 (`recv_grad`); a V table's
+    values travel both ways and turn at rank p - 1 without a send, so it also has
+    `recv_act_up` (from d + 1), `recv_act_self`, `recv_grad_down` (from d - 1) and
+    `recv_grad_self`, and `send_dir` says where each job's output goes (`DOWN`, `UP`, `SELF`,
+    or `NOWHERE`).
     """
     kind: np.ndarray
     microbatch: np.ndarray
@@ -111,6 +133,12 @@ class Table(TickTable):
     microbatches: int
     w_slot: np.ndarray
     w_slots: int
+    recv_act_up: np.ndarray
+    recv_act_self: np.ndarray
+    recv_grad_down: np.ndarray
+    recv_grad_self: np.ndarray
+    send_dir: np.ndarray
+    v_shape: bool = False  # chunks placed down and back up the ranks (`virtual_stage`)
 
     @property
     def split(self) -> bool:
@@ -119,19 +147,24 @@ class Table(TickTable):
 
 def build_table(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> Table:
     """The training table: every forward and backward of `schedule`."""
+    if schedule == "zbv":  # placed greedily, two chunks per rank in a V
+        from jaxtron.pipeline.split_backward import zbv_table
+        return zbv_table(stages, microbatches)
     return _place(schedule, device_orders(schedule, stages, microbatches, virtual), stages,
                   microbatches, virtual)
 
 
-def forward_table(stages: int, microbatches: int, virtual: int = 1) -> Table:
+def forward_table(stages: int, microbatches: int, virtual: int = 1,
+                  v_shape: bool = False) -> Table:
     """Forwards only (evaluation): bubble (p-1)/(v*m+p-1) when p divides m or v = 1."""
     p, m, v = stages, microbatches, virtual
     order = [Action(FORWARD, mb, c) for g in range(0, m, p) for c in range(v)
              for mb in range(g, min(g + p, m))]
-    return _place("forward", [list(order) for _ in range(p)], p, m, v)
+    return _place("forward", [list(order) for _ in range(p)], p, m, v, v_shape)
 
 
-def _place(schedule: str, orders: list[list[Action]], p: int, m: int, v: int) -> Table:
+def _place(schedule: str, orders: list[list[Action]], p: int, m: int, v: int,
+           v_shape: bool = False) -> Table:
     """Each device's next action at the earliest tick its inputs exist."""
     last = p * v - 1
     done: dict[tuple[int, int, int], int] = {}  # (kind, microbatch, virtual stage) -> tick
@@ -144,7 +177,7 @@ def _place(schedule: str, orders: list[list[Action]], p: int, m: int, v: int) ->
             if cursor[d] == len(orders[d]):
                 continue
             a = orders[d][cursor[d]]
-            vs = a.chunk * p + d
+            vs = virtual_stage(d, a.chunk, p, v_shape)
             if a.kind == FORWARD:
                 deps = [] if vs == 0 else [(FORWARD, a.microbatch, vs - 1)]
             elif a.kind == WEIGHT_GRAD:
@@ -161,10 +194,13 @@ def _place(schedule: str, orders: list[list[Action]], p: int, m: int, v: int) ->
             placed[d].append((tick, a))
             cursor[d] += 1
         tick += 1
-    return _assign_slots(placed, tick, p, v, m, done)
+    return assign_slots(placed, tick, p, v, m, done, v_shape)
 
 
-def _assign_slots(placed, ticks: int, p: int, v: int, m: int, done) -> Table:
+def assign_slots(placed, ticks: int, p: int, v: int, m: int, done,
+                 v_shape: bool = False) -> Table:
+    """The table of jobs `placed` per device as (tick, Action), with `done` the tick of every
+    (kind, microbatch, virtual stage): buffer slots for what arrives and what a B stashes."""
     last = p * v - 1
     shape = (ticks, p)
     kind, mb, chunk = (np.zeros(shape, np.int32) for _ in range(3))
@@ -181,32 +217,48 @@ def _assign_slots(placed, ticks: int, p: int, v: int, m: int, done) -> Table:
         if k == FORWARD and vs < last:
             dest = vs + 1  # held until its backward; without backwards, until its forward
             release = done.get((backward, micro, dest), done[(FORWARD, micro, dest)])
-            act_events.append((t, release, dest % p, (micro, dest)))
+            act_events.append((t, release, owner(dest, p, v_shape)[0], (micro, dest)))
         if k == backward and vs > 0:
             dest = vs - 1
-            grad_events.append((t, done[(backward, micro, dest)], dest % p, (micro, dest)))
+            grad_events.append((t, done[(backward, micro, dest)], owner(dest, p, v_shape)[0],
+                                (micro, dest)))
         if k == INPUT_GRAD:
-            w_events.append((t, done[(WEIGHT_GRAD, micro, vs)], vs % p, (micro, vs)))
+            w_events.append((t, done[(WEIGHT_GRAD, micro, vs)], owner(vs, p, v_shape)[0],
+                             (micro, vs)))
     act_of, act_slots = _allocate(act_events, p)
     grad_of, grad_slots = _allocate(grad_events, p)
     w_of, w_slots = _allocate(w_events, p) if w_events else ({}, 0)
     w_slot = np.zeros(shape, np.int32)
-    recv_act = np.full(shape, act_slots, np.int32)
-    recv_grad = np.full(shape, grad_slots, np.int32)
-    for t, _, d, key in act_events:
-        recv_act[t, d] = act_of[key]
-    for t, _, d, key in grad_events:
-        recv_grad[t, d] = grad_of[key]
+
+    def channel(sender: int, receiver: int, ring: int) -> int:
+        if not v_shape:
+            return ring
+        return SELF if sender == receiver else DOWN if receiver == sender + 1 else UP
+
+    # [channel] -> [ticks, ranks] slot arrays, scratch where nothing arrives that way
+    recv_acts = [np.full(shape, act_slots, np.int32) for _ in (DOWN, UP, SELF)]
+    recv_grads = [np.full(shape, grad_slots, np.int32) for _ in (DOWN, UP, SELF)]
+    send_dir = np.full(shape, NOWHERE, np.int32)
+    for t, _, d, (micro, dest) in act_events:
+        sender = owner(dest - 1, p, v_shape)[0]
+        recv_acts[channel(sender, d, DOWN)][t, d] = act_of[(micro, dest)]
+        send_dir[t, sender] = channel(sender, d, DOWN)
+    for t, _, d, (micro, dest) in grad_events:
+        sender = owner(dest + 1, p, v_shape)[0]
+        recv_grads[channel(sender, d, UP)][t, d] = grad_of[(micro, dest)]
+        send_dir[t, sender] = channel(sender, d, UP)
+    recv_act, recv_grad = recv_acts[DOWN], recv_grads[UP]
     for d in range(p):
         for t, a in placed[d]:
-            key = (a.microbatch, a.chunk * p + d)
+            key = (a.microbatch, virtual_stage(d, a.chunk, p, v_shape))
             act_slot[t, d] = act_of.get(key, act_slots)
             if a.kind in (BACKWARD, INPUT_GRAD):
                 grad_slot[t, d] = grad_of.get(key, grad_slots)
             if a.kind in (INPUT_GRAD, WEIGHT_GRAD):
                 w_slot[t, d] = w_of[key]
     return Table(kind, mb, chunk, act_slot, grad_slot, recv_act, recv_grad, act_slots,
-                 grad_slots, p, v, m, w_slot, w_slots)
+                 grad_slots, p, v, m, w_slot, w_slots, recv_acts[UP], recv_acts[SELF],
+                 recv_grads[DOWN], recv_grads[SELF], send_dir, v_shape)
 
 
 def _allocate(events, p: int):

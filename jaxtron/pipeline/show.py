@@ -3,11 +3,13 @@
     python -m jaxtron.pipeline.show --stages 4 --microbatches 8 --schedule 1f1b
     python -m jaxtron.pipeline.show --stages 4 --microbatches 8 --schedule interleaved --virtual 2
     python -m jaxtron.pipeline.show --stages 4 --microbatches 8 --schedule zb-h1
+    python -m jaxtron.pipeline.show --stages 4 --microbatches 8 --schedule zbv
 
 Each row is a pipeline rank, each column a tick (one forward or one backward of one
 microbatch chunk): `F3` / `B3` run microbatch 3 (`F3.1`: chunk 1), `.` is idle. With the
-split-backward schedule `zb-h1` a tick is one F, one B (input gradient) or one W (weight
-gradient). Every table shown is first checked by `jaxtron.pipeline.validate`.
+split-backward schedules `zb-h1` and `zbv` a tick is one F, one B (input gradient) or one W
+(weight gradient); `zbv`'s rows show each rank's two chunks (`.0` down the V, `.1` back up).
+Every table shown is first checked by `jaxtron.pipeline.validate`.
 """
 
 from __future__ import annotations
@@ -50,11 +52,17 @@ def show_split(schedule: str, p: int, m: int) -> int:
     table = build_table(schedule, p, m)
     checked = validate.check(table)
     print(render(table))
+    one_f_one_b = f"1F1B in the same units: (p-1)/(m+p-1) = {(p - 1) / (m + p - 1):.4f}"
+    if schedule == "zbv":  # two half-stage chunks per rank: a tick is half a stage's job
+        print(f"zbv: {p} stages, {m} microbatches, 2 chunks per rank in a V, F = B = W = one "
+              f"tick: {table.ticks} ticks, bubble {table.bubble:.4f} ({one_f_one_b}); chunk "
+              f"activations held per rank at most {max(checked.peak_in_flight)} (1F1B: "
+              f"{min(p, m)} whole stages = {2 * min(p, m)} chunks)")
+        return 0
     print(f"{schedule}: {p} stages, {m} microbatches, F = B = W = one tick: {table.ticks} "
           f"ticks, bubble {table.bubble:.4f} (formula (p-1)/(3m+p-1) = "
-          f"{split_backward.bubble_formula(p, m):.4f}; 1F1B in the same units: (p-1)/(m+p-1) = "
-          f"{(p - 1) / (m + p - 1):.4f}); microbatches held per rank at most "
-          f"{max(checked.peak_in_flight)} (1F1B: {min(p, m)})")
+          f"{split_backward.bubble_formula(p, m):.4f}; {one_f_one_b}); microbatches held per "
+          f"rank at most {max(checked.peak_in_flight)} (1F1B: {min(p, m)})")
     return 0
 
 

@@ -24,7 +24,8 @@ stash slot, from which W forms the weight gradients.
 
 from __future__ import annotations
 
-from jaxtron.pipeline.schedule import FORWARD, INPUT_GRAD, SPLIT_SCHEDULES, WEIGHT_GRAD, Action
+from jaxtron.pipeline.schedule import (FORWARD, INPUT_GRAD, SPLIT_SCHEDULES, WEIGHT_GRAD,
+                                       Action, Table, assign_slots, owner, virtual_stage)
 
 
 def split_orders(schedule: str, stages: int, microbatches: int) -> list[list[Action]]:
@@ -32,8 +33,8 @@ def split_orders(schedule: str, stages: int, microbatches: int) -> list[list[Act
     and one B per step, rank d's W's each d microbatches after their B, the rest of the W's
     at the end (ZB-H1)."""
     p, m = stages, microbatches
-    if schedule not in SPLIT_SCHEDULES:
-        raise ValueError(f"unknown split-backward schedule {schedule!r}; "
+    if schedule != "zb-h1":  # zbv is placed by `zbv_table`, not from fixed orders
+        raise ValueError(f"no fixed orders for schedule {schedule!r}; "
                          f"choose from {SPLIT_SCHEDULES}")
     orders = []
     for d in range(p):
@@ -56,3 +57,61 @@ def bubble_formula(stages: int, microbatches: int) -> float:
     """ZB-H1's idle fraction in units of F = B = W = one tick, for microbatches >= stages."""
     p, m = stages, microbatches
     return (p - 1) / (3 * m + p - 1)
+
+
+def zbv_table(stages: int, microbatches: int) -> Table:
+    """ZB-V (the paper's V-shape): two chunks per rank, virtual stage d down the ranks and
+    2p-1-d back up (`schedule.virtual_stage`), so rank 0 embeds and computes the loss, and the
+    turn at rank p-1 needs no send. Placed tick by tick: each rank runs a ready B if it has one
+    (the critical path), else a ready forward while it holds fewer than 2p chunk activations
+    (1F1B's memory: p microbatches of a whole stage, a chunk being half of one), else its
+    oldest pending W, else it idles. Not run by the engine yet: `python -m
+    jaxtron.pipeline.show --schedule zbv` draws and checks it."""
+    p, m = stages, microbatches
+    last, cap = 2 * p - 1, 2 * p
+    done: dict[tuple[int, int, int], int] = {}
+    placed: list[list[tuple[int, Action]]] = [[] for _ in range(p)]
+    held, waiting_w = [0] * p, [[] for _ in range(p)]
+    tick = 0
+
+    def ready(key) -> bool:
+        return key in done and done[key] < tick
+
+    def pick(d: int):
+        stages_here = [virtual_stage(d, c, p, True) for c in (1, 0)]  # later stage first
+        for mb in range(m):
+            for vs in stages_here:
+                if ((INPUT_GRAD, mb, vs) not in done and ready((FORWARD, mb, vs))
+                        and (vs == last or ready((INPUT_GRAD, mb, vs + 1)))):
+                    return INPUT_GRAD, mb, vs
+        if held[d] < cap:
+            for vs in stages_here:
+                for mb in range(m):
+                    if (FORWARD, mb, vs) not in done and (
+                            ready((FORWARD, mb, vs - 1)) if vs else
+                            all((FORWARD, k, 0) in done for k in range(mb))):
+                        return FORWARD, mb, vs
+        if waiting_w[d]:
+            mb, vs = waiting_w[d][0]
+            return WEIGHT_GRAD, mb, vs
+        return None
+
+    while len(done) < 3 * m * 2 * p:
+        if tick > 20 * (6 * m + p):
+            raise RuntimeError(f"zbv deadlocked at tick {tick}")
+        for d, job in [(d, pick(d)) for d in range(p)]:
+            if job is None:
+                continue
+            kind, mb, vs = job
+            done[job] = tick
+            placed[d].append((tick, Action(kind, mb, owner(vs, p, True)[1])))
+            if kind == FORWARD:
+                held[d] += 1
+            elif kind == INPUT_GRAD:
+                waiting_w[d].append((mb, vs))
+            else:
+                waiting_w[d].pop(0)
+                held[d] -= 1
+        tick += 1
+    return assign_slots(placed, tick, p, 2, m, done, v_shape=True)
+

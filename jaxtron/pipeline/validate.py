@@ -44,7 +44,7 @@ def jobs(table) -> tuple[list[tuple[int, int, str, int, int]], int, int]:
     out = []
     for t, d in zip(*np.nonzero(table.kind)):
         out.append((int(t), int(d), names[int(table.kind[t, d])], int(table.microbatch[t, d]),
-                    int(table.chunk[t, d]) * p + int(d)))
+                    schedule.virtual_stage(int(d), int(table.chunk[t, d]), p, table.v_shape)))
     return out, table.microbatches, p * table.virtual
 
 
@@ -57,9 +57,10 @@ def check(table, training: bool = True) -> Check:
         if (kind, mb, vs) in when:
             raise ScheduleError(f"{kind} of microbatch {mb} on virtual stage {vs} runs twice "
                                 f"(ticks {when[(kind, mb, vs)]} and {t})")
-        if vs % p != d:
+        rank = schedule.owner(vs, p, table.v_shape)[0]
+        if rank != d:
             raise ScheduleError(f"{kind} of microbatch {mb} on virtual stage {vs} runs on rank "
-                                f"{d}, not its owner {vs % p}")
+                                f"{d}, not its owner {rank}")
         when[(kind, mb, vs)] = t
     kinds = {kind for kind, _, _ in when}
     split = B in kinds or W in kinds
