@@ -19,10 +19,10 @@ each closed by one `block_until_ready`, and the median window gives the step tim
 by side in this run, and prints their step-time ratio (on CPU XLA emulates fp8 in wider types,
 so the ratio there measures the quantisation's overhead, not fp8 tensor cores).
 
-`--compare-schedules 1f1b,interleaved,gpipe` times the step of a pipelined config once per
-pipeline schedule (same model, mesh and microbatches; `interleaved` with two chunks per rank
-unless the config sets more), side by side in this run, and prints each one's step time, its
-ratio to the first and the bubble of its tick table. On simulated CPU devices the ranks share
+`--compare-schedules 1f1b,zb-h1,zbv,interleaved,gpipe` times the step of a pipelined config
+once per pipeline schedule (same model, mesh and microbatches; `interleaved` with two chunks
+per rank unless the config sets more, `zbv` with two), side by side in this run, and prints
+each one's step time, its ratio to the first and the bubble of its tick table. On simulated CPU devices the ranks share
 the machine's cores, so an idle rank frees them for the others: the ratios there show the
 schedules' other costs (more ticks, more sends), not their bubbles.
 
@@ -175,7 +175,8 @@ def compare_schedules(config: config_lib.Config, schedules: list[str], warmup: i
                                      "mesh.stage > 1 (and pipeline.microbatches).")
     rows = {}
     for schedule in schedules:
-        v = max(pp.virtual_stages, 2) if schedule == "interleaved" else 1
+        v = (max(pp.virtual_stages, 2) if schedule == "interleaved"
+             else 2 if schedule == "zbv" else 1)
         variant = config_lib.from_dict(config_lib.to_dict(config), [
             f"pipeline.schedule={schedule}", f"pipeline.virtual_stages={v}"])
         step_s = bench_jaxtron(variant, jax.devices(), warmup, steps, repeats)["step_s"]

@@ -17,6 +17,7 @@ from jaxtron.config import Config
 from jaxtron.flops import hardware_flops_per_token, training_flops_per_token
 from jaxtron.planner.hardware import Hardware
 from jaxtron.planner.layout import Layout
+from jaxtron.planner.memory import schedule_table
 from jaxtron.planner.traffic import communication
 
 AXES = ("stage", "data", "fsdp", "expert", "sequence", "tensor")
@@ -38,12 +39,14 @@ class Cost:
 
 def bubble_fraction(layout: Layout) -> float:
     """Idle share of a pipeline rank: (p-1)/(m+p-1), interleaved (p-1)/(v m + p-1), zb-h1
-    (p-1)/(3m + p-1) (its table's idle ticks, F, B and W one tick each)."""
+    (p-1)/(3m + p-1) (its table's idle ticks, F, B and W one tick each), zbv its table's."""
     p, m, v = layout.stage, layout.microbatches, layout.virtual_stages
     if p == 1:
         return 0.0
     if layout.schedule == "zb-h1":
         return (p - 1) / (3 * m + p - 1)
+    if layout.schedule == "zbv":  # greedy placement: no closed form; its table's idle share
+        return schedule_table("zbv", p, m, 2).bubble
     return (p - 1) / ((v if layout.schedule == "interleaved" else 1) * m + p - 1)
 
 

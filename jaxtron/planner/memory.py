@@ -245,10 +245,17 @@ def microbatch_tokens(config: Config, layout: Layout) -> int:
     return microbatch_sequences(config, layout) * config.data.seq_len // layout.sequence
 
 
+@functools.lru_cache(maxsize=256)
+def schedule_table(schedule: str, stages: int, microbatches: int, virtual: int):
+    """The tick table a layout runs (built once per shape: zbv's placement is a search)."""
+    return build_table(schedule, stages, microbatches, virtual)
+
+
 def zb_stashes(layout: Layout) -> int:
-    """Stashes a zb-h1 rank holds at once: its table's slots, the scratch slot the engine
-    writes on other ticks, and the one being read and the one being written."""
-    return build_table("zb-h1", layout.stage, layout.microbatches).w_slots + 3
+    """Stashes a zero-bubble rank holds at once: its table's slots, the scratch slot the
+    engine writes on other ticks, and the one being read and the one being written."""
+    return schedule_table(layout.schedule, layout.stage, layout.microbatches,
+                          layout.virtual_stages).w_slots + 3
 
 
 def predict(config: Config, layout: Layout) -> Memory:
@@ -272,12 +279,14 @@ def predict(config: Config, layout: Layout) -> Memory:
     if layout.stage > 1:
         in_flight = (layout.microbatches if layout.schedule == "gpipe"
                      else min(layout.microbatches, layout.stage * layout.virtual_stages))
+        if layout.schedule == "zbv":  # chunk inputs held, as its greedy table places them
+            in_flight = schedule_table("zbv", layout.stage, layout.microbatches, 2).act_slots
         stage_input = e * tokens * m.d_model
         chunk = math.ceil(layers / layout.virtual_stages)
         # + the embedding and head gathered whole from their stage slices, on every rank
         activations = in_flight * stage_input + chunk * kept + working + end_bytes(config,
                                                                                   layout)
-        if layout.schedule == "zb-h1":  # B's stashes (one stage's activations) until their W
+        if layout.schedule in ("zb-h1", "zbv"):  # B's stashes (a chunk's activations)
             activations += zb_stashes(layout) * chunk * layer_activation_bytes(
                 config, layout, tokens, "none")
     else:

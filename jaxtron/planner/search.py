@@ -5,7 +5,7 @@ sequence x tensor (tensor within one node and dividing the heads, MLP and vocabu
 dividing the experts; sequence only for sequences of 4k tokens or more), sequence parallelism
 with tensor > 1, ZeRO 0/1/2 with data > 1, remat none/save_dots/full, pipeline microbatches
 p, 2p, 4p, 8p (and the smallest count >= p dividing the batch; multiples of p when
-interleaved) with 1F1B, GPipe, zero-bubble ZB-H1 and interleaved (2 chunks) schedules, and gradient accumulation to bring the microbatch down
+interleaved) with 1F1B, GPipe, zero-bubble ZB-H1 and ZB-V and interleaved (2 chunks) schedules, and gradient accumulation to bring the microbatch down
 (to one sequence) when nothing else fits. Each candidate passes the same checks a run does
 (`config.validate` and `trainer.check_layout`) before it is shown.
 """
@@ -96,8 +96,10 @@ def _variants(config: Config, mesh: Layout):
         pipelines = []
         for mb in _microbatch_counts(per_replica, mesh.stage):
             pipelines += [(mb, "1f1b", 1), (mb, "gpipe", 1), (mb, "zb-h1", 1)]
-            if config.model.num_layers >= 2 * mesh.stage and mb % mesh.stage == 0:
-                pipelines.append((mb, "interleaved", 2))
+            if config.model.num_layers >= 2 * mesh.stage:
+                pipelines.append((mb, "zbv", 2))
+                if mb % mesh.stage == 0:
+                    pipelines.append((mb, "interleaved", 2))
     for sp, zero, remat, (mb, schedule, virtual) in itertools.product(sps, zeros, REMATS,
                                                                      pipelines):
         for accum in _accumulations(per_replica // mb if per_replica % mb == 0 else 0):

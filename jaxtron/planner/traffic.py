@@ -125,7 +125,8 @@ def _stage(config: Config, layout: Layout) -> tuple[float, float]:
     ticks = schedule_ticks(layout.schedule, p, layout.microbatches, layout.virtual_stages)
     per_pass = 2 * ticks * e * tokens * m.d_model
     ends = end_bytes(config, layout)  # per device, before the split over stages
-    ends *= 2 if m.tied_embeddings else 1  # the one table goes to both ends
+    # the one table goes to both ends (in a V both are rank 0)
+    ends *= 2 if m.tied_embeddings and layout.schedule != "zbv" else 1
     moved = ends * (p - 1) / p ** 2
     return per_pass + moved, moved
 
