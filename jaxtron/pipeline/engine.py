@@ -29,13 +29,15 @@ from its input as above but forms only the input gradient, leaving the weights' 
 output gradients in a stash slot of the carry; W, later, forms the weight gradients from that
 stash and adds them to the accumulators.
 
+What the training and evaluation loops share (the table's arrays, the ends' gather, the
+composite stage, a V table's sends) is `stage_plan.Plan`.
+
 `pipeline_loss` runs a forward-only table (`schedule.forward_table`) the same way: evaluation
 through the pipeline, with every layer staying on its rank.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 from typing import Callable
@@ -44,162 +46,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
-from jaxtron.pipeline.schedule import DOWN, INPUT_GRAD, UP, Table
+from jaxtron.pipeline.schedule import INPUT_GRAD, Table
 from jaxtron.pipeline.split_vjp import SplitVJP
-from jaxtron.sharding.rules import manual_axes, shard_map_mesh, without_mesh_axis
-
-AXIS = "stage"
-REPLICA_AXES = ("data",)  # mesh axes over which parameters are replicated and the batch split
-
-
-def _gather(tree, users: tuple[int, ...], me, p: int):
-    """This rank's `[1, n/p, ...]` slices -> `[n, ...]` whole on the ranks in `users`.
-
-    Other ranks end up with their own slice and zeros, which nothing reads. Linear, so its
-    transpose (jax.vjp) sends each user's gradient of a slice back to the slice's owner.
-    """
-    def one(slice_1xK):
-        own_K = slice_1xK[0]
-        parts = []
-        for src in range(p):
-            part = jnp.where(me == src, own_K, jnp.zeros_like(own_K))
-            for user in users:
-                if user != src:  # a single pair: only `user` receives
-                    part = part + jax.lax.ppermute(own_K, AXIS, [(src, user)])
-            parts.append(part)
-        return jnp.concatenate(parts)
-
-    return jax.tree.map(one, tree)
-
-
-def microbatch(tree, index):
-    """Microbatch `index` of every [M, ...] leaf of an input or target tree."""
-    return jax.tree.map(lambda a: a[index], tree)
-
-
-class _Plan:
-    """What the training and evaluation maps share: the table, the ends' gather, the
-    composite stage function, and the specs."""
-
-    def __init__(self, table: Table, mesh: Mesh, first_fn, stage_fn, last_fn):
-        self.table, self.mesh = table, mesh
-        self.first_fn, self.stage_fn, self.last_fn = first_fn, stage_fn, last_fn
-        self.p, self.m = table.stages, table.microbatches
-        self.last_stage = table.stages * table.virtual - 1
-        self.tabs = {name: jnp.asarray(getattr(table, name)) for name in
-                     ("kind", "microbatch", "chunk", "act_slot", "grad_slot", "recv_act",
-                      "recv_grad", "w_slot", "recv_act_up", "recv_act_self", "recv_grad_down",
-                      "recv_grad_self", "send_dir")}
-        # The loss's rank: p - 1 around a ring, rank 0 at the top of a V.
-        self.last_rank = 0 if table.v_shape else self.p - 1
-        self.forward_ring = [(d, (d + 1) % self.p) for d in range(self.p)]
-        self.backward_ring = [(d, (d - 1) % self.p) for d in range(self.p)]
-
-    def replicas(self) -> tuple[str, ...]:
-        """Replica axes to make manual: those with more than one rank, unless an enclosing
-        shard_map (a data-parallel gradient reduction) has made them manual already."""
-        outer = manual_axes()
-        return tuple(a for a in REPLICA_AXES if self.mesh.shape.get(a, 1) > 1 and a not in outer)
-
-    def shard_map(self, body, replicas, out_specs):
-        batch = PartitionSpec(None, replicas or None)  # [M, B, T]: rows split over replicas
-        staged = PartitionSpec(AXIS)
-        return jax.shard_map(body, mesh=shard_map_mesh(self.mesh),
-                             axis_names={AXIS, *replicas}, check_vma=False,
-                             in_specs=(staged, staged, staged, staged, staged, batch, batch),
-                             out_specs=out_specs)
-
-    @staticmethod
-    @contextlib.contextmanager
-    def manual(replicas):
-        """Activation constraints inside the map name only the automatic axes."""
-        with contextlib.ExitStack() as stack:
-            for axis in (AXIS, *replicas):
-                stack.enter_context(without_mesh_axis(axis))
-            yield
-
-    def ends(self, first_s, last_s, shared_s, me):
-        p = self.p
-        last = self.last_rank
-        return (_gather(first_s, (0,), me, p), _gather(last_s, (last,), me, p),
-                _gather(shared_s, tuple(sorted({0, last})), me, p))
-
-    def stage_of(self, chunk, me):
-        """The virtual stage this rank's `chunk` runs (`schedule.virtual_stage`)."""
-        if self.table.v_shape:
-            return jnp.where(chunk == 0, me, 2 * self.p - 1 - me)
-        return chunk * self.p + me
-
-    def exchange(self, t, me, out, buffers):
-        """After a V table's tick: send this rank's output `out` the way `send_dir` says and
-        store what arrives (from d - 1, from d + 1, or this rank's own turn at the bottom of
-        the V) where the table says, in `buffers` ({"acts": ..., "grads_in": ...})."""
-        tabs, direction = self.tabs, self.tabs["send_dir"][t, me]
-        none = jnp.zeros_like(out)
-        got_down = jax.lax.ppermute(jnp.where(direction == DOWN, out, none), AXIS,
-                                    self.forward_ring)
-        got_up = jax.lax.ppermute(jnp.where(direction == UP, out, none), AXIS,
-                                  self.backward_ring)
-        writes = {"acts": (("recv_act", got_down), ("recv_act_up", got_up),
-                           ("recv_act_self", out)),
-                  "grads_in": (("recv_grad_down", got_down), ("recv_grad", got_up),
-                               ("recv_grad_self", out))}
-        out_buffers = {}
-        for name, buffer in buffers.items():
-            for slots, value in writes[name]:
-                buffer = buffer.at[tabs[slots][t, me]].set(value)
-            out_buffers[name] = buffer
-        return out_buffers
-
-    def composite(self, me, inputs, targets, micro, chunk, chunk_active, fp, sp, cp, lp, x_in):
-        """One virtual stage: embed first if it is the first, add the loss if the last."""
-        virtual_stage = self.stage_of(chunk, me)
-        inputs, targets = microbatch(inputs, micro), microbatch(targets, micro)
-        x = jax.lax.cond(virtual_stage == 0, lambda: self.first_fn(fp, sp, inputs),
-                         lambda: x_in)
-        y, extra = self.stage_fn(cp, chunk_active, x, inputs)
-        last = lambda: self.last_fn(lp, sp, y, targets)  # noqa: E731
-        loss, last_extra = jax.lax.cond(
-            virtual_stage == self.last_stage, last,
-            lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(last)))
-        extra, last_extra = dict(extra), dict(last_extra)
-        objective = loss.astype(jnp.float32) + extra.pop("objective") + last_extra.pop(
-            "objective")
-        return (y, objective), {"loss": loss.astype(jnp.float32), **extra, **last_extra}
-
-    def metric_zeros(self, stage_p, active, first_p, shared_p, last_p, inputs, targets):
-        """Zeros shaped like the metrics `composite` reports (the loss and the stage's own)."""
-        chunk_p, chunk_active = self.chunk(stage_p, active, 0)
-        x = jax.eval_shape(self.first_fn, first_p, shared_p, microbatch(inputs, 0))
-        y, extra = jax.eval_shape(self.stage_fn, chunk_p, chunk_active,
-                                  jnp.zeros(x.shape, x.dtype), microbatch(inputs, 0))
-        _, last_extra = jax.eval_shape(self.last_fn, last_p, shared_p,
-                                       jnp.zeros(y.shape, y.dtype), microbatch(targets, 0))
-        scalars = {"loss": jnp.zeros((), jnp.float32)}
-        per_chunk = {}
-        for name, value in {**extra, **last_extra}.items():
-            if name == "objective":
-                continue
-            if value.ndim:  # one value per layer of the chunk: kept per chunk, not summed
-                per_chunk[name] = jnp.zeros((self.table.virtual, *value.shape), value.dtype)
-            else:
-                scalars[name] = jnp.zeros((), jnp.float32)
-        return scalars, per_chunk
-
-    @staticmethod
-    def add_metrics(acc, metrics, chunk, scale):
-        """Scalars summed; per-chunk arrays (e.g. each layer's expert load) added at `chunk`."""
-        scalars, per_chunk = acc
-        scalars = {k: v + metrics[k] * scale for k, v in scalars.items()}
-        per_chunk = {k: v.at[chunk].add(metrics[k] * scale) for k, v in per_chunk.items()}
-        return scalars, per_chunk
-
-    @staticmethod
-    def chunk(stage_p, active, chunk):
-        """(parameters, active mask) of this rank's model chunk `chunk`."""
-        pick = lambda a: jax.lax.dynamic_index_in_dim(a, chunk, 0, False)  # noqa: E731
-        return jax.tree.map(pick, stage_p), pick(active)
-
+from jaxtron.pipeline.stage_plan import AXIS, Plan, microbatch
 
 def pipeline_value_and_grad(table: Table, mesh: Mesh, first_fn: Callable, stage_fn: Callable,
                             last_fn: Callable):
@@ -221,7 +70,7 @@ def pipeline_value_and_grad(table: Table, mesh: Mesh, first_fn: Callable, stage_
     (n rounded up to a multiple of p); stage_p and active carry the pipeline layout
     `[p, v, Lmax, ...]`. The loss is the mean over microbatches (and replicas).
     """
-    plan = _Plan(table, mesh, first_fn, stage_fn, last_fn)
+    plan = Plan(table, mesh, first_fn, stage_fn, last_fn)
     p, m = plan.p, plan.m
     tabs = plan.tabs
 
@@ -381,7 +230,7 @@ def pipeline_loss(table: Table, mesh: Mesh, first_fn: Callable, stage_fn: Callab
                   last_fn: Callable):
     """Build fn(first_s, last_s, shared_s, stage_p, active, inputs_M, targets_M) -> mean loss,
     running a forward-only `table` (see `pipeline_value_and_grad` for the arguments)."""
-    plan = _Plan(table, mesh, first_fn, stage_fn, last_fn)
+    plan = Plan(table, mesh, first_fn, stage_fn, last_fn)
     p, m = plan.p, plan.m
     tabs = plan.tabs
 
