@@ -2,9 +2,10 @@
 interleave in a single compiled loop, so 1F1B really holds at most ~p activations per rank.
 
 Every tick each rank looks up its action in the table, runs it under `lax.switch`, then all
-ranks call the same two collectives: `ppermute` of the forward output to rank d + 1 and of the
-input gradient to rank d - 1 (idle ranks send zeros; the ring wrap-around carries interleaved
-chunks from the last rank back to the first). A forward stores nothing but the received input
+ranks call the same two collectives: `ppermute` to rank d + 1 and to rank d - 1, carrying the
+rank's one output the way the table says (around a ring the forward output to d + 1 and the
+input gradient to d - 1, the wrap-around carrying interleaved chunks from the last rank back
+to the first; in a V also the other ways, and the turn kept local); idle ranks send zeros. A forward stores nothing but the received input
 activation, in a slot the table assigned; the backward recomputes the stage from that input
 under `jax.vjp` and adds the weight gradients to accumulators in the loop carry. The first
 virtual stage (always on rank 0) embeds the microbatch's tokens and the last (always on rank
@@ -170,13 +171,9 @@ def pipeline_value_and_grad(table: Table, mesh: Mesh, first_fn: Callable, stage_
 
         def tick(t, carry):
             carry, send_fwd, send_bwd = run_job(dict(carry), t)
-            if table.v_shape:  # one output per tick, one job's: the other send is zeros
-                buffers = {"acts": carry["acts"], "grads_in": carry["grads_in"]}
-                return dict(carry, **plan.exchange(t, me, send_fwd + send_bwd, buffers))
-            got_fwd = jax.lax.ppermute(send_fwd, AXIS, plan.forward_ring)
-            got_bwd = jax.lax.ppermute(send_bwd, AXIS, plan.backward_ring)
-            return dict(carry, acts=carry["acts"].at[tabs["recv_act"][t, me]].set(got_fwd),
-                        grads_in=carry["grads_in"].at[tabs["recv_grad"][t, me]].set(got_bwd))
+            # one job per tick, so one output: the other send is zeros
+            buffers = {"acts": carry["acts"], "grads_in": carry["grads_in"]}
+            return dict(carry, **plan.exchange(t, me, send_fwd + send_bwd, buffers))
 
         zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)  # noqa: E731
         carry = {
@@ -257,10 +254,7 @@ def pipeline_loss(table: Table, mesh: Mesh, first_fn: Callable, stage_fn: Callab
 
         def tick(t, carry):
             carry, send = jax.lax.switch(tabs["kind"][t, me], (idle, forward), carry, t)
-            if table.v_shape:
-                return dict(carry, **plan.exchange(t, me, send, {"acts": carry["acts"]}))
-            got = jax.lax.ppermute(send, AXIS, plan.forward_ring)
-            return dict(carry, acts=carry["acts"].at[tabs["recv_act"][t, me]].set(got))
+            return dict(carry, **plan.exchange(t, me, send, {"acts": carry["acts"]}))
 
         carry = {"acts": jnp.zeros((table.act_slots + 1, *x_shape.shape), x_shape.dtype),
                  "loss": jnp.zeros((), jnp.float32)}

@@ -97,9 +97,11 @@ class Plan:
         return chunk * self.p + me
 
     def exchange(self, t, me, out, buffers):
-        """After a V table's tick: send this rank's output `out` the way `send_dir` says and
-        store what arrives (from d - 1, from d + 1, or this rank's own turn at the bottom of
-        the V) where the table says, in `buffers` ({"acts": ..., "grads_in": ...})."""
+        """After a tick: send this rank's output `out` the way `send_dir` says (around a
+        ring: forward outputs to d + 1, the last rank's to rank 0, input gradients to d - 1)
+        and store what arrives (from d - 1, from d + 1, or in a V this rank's own turn at its
+        bottom) where the table says, in `buffers` ({"acts": ..., "grads_in": ...}); the
+        table's scratch slot takes what goes nowhere."""
         tabs, direction = self.tabs, self.tabs["send_dir"][t, me]
         none = jnp.zeros_like(out)
         got_down = jax.lax.ppermute(jnp.where(direction == DOWN, out, none), AXIS,
