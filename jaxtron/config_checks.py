@@ -252,12 +252,6 @@ def _validate_pipeline(c: Config) -> None:
                f"pipeline.virtual_stages=2 (got {v}).")
     else:
         _check(v == 1, f"pipeline.virtual_stages={v} needs pipeline.schedule=interleaved.")
-    if pp.schedule in ("zb-h1", "zbv"):
-        # XLA refuses the weight-gradient job's conditional (the head's gradient is sharded
-        # over `tensor` on the loss's rank, zeros elsewhere).
-        _check(c.mesh.tensor == 1, f"pipeline.schedule={pp.schedule} does not run with "
-               "mesh.tensor > 1 yet; use pipeline.schedule=1f1b, or fsdp instead of tensor "
-               "inside stages.")
     n_virtual = stages * v
     every = c.moe.every if c.moe.enabled else 1  # MoE models split in groups of `every` blocks
     if pp.layers_per_stage is None:

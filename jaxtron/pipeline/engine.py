@@ -25,10 +25,11 @@ data-parallel reduction (`sharding/data_parallel.py`: gradient accumulation, ZeR
 manual already and that reduction is the one. fsdp and tensor sharding inside a stage stay
 automatic.
 
-Split tables (`zb-h1`) run a backward as two jobs (`split_vjp.py`): B recomputes the stage
-from its input as above but forms only the input gradient, leaving the weights' inputs and
-output gradients in a stash slot of the carry; W, later, forms the weight gradients from that
-stash and adds them to the accumulators.
+Split tables (`zb-h1`, `zbv`) run a backward as two jobs (`split_vjp.py`): B recomputes the
+stage from its input as above but forms only the input gradient (and the ends', behind their
+conditionals), leaving the layers' weight inputs and output gradients in a stash slot of the
+carry; W, later, forms the layers' weight gradients from that stash and adds them to the
+accumulators.
 
 What the training and evaluation loops share (the table's arrays, the ends' gather, the
 composite stage, a V table's sends) is `stage_plan.Plan`.
@@ -114,14 +115,18 @@ def pipeline_value_and_grad(table: Table, mesh: Mesh, first_fn: Callable, stage_
             return run, (first_p, shared_p, chunk_p, last_p), x_in, (dy, dloss)
 
         def accumulate(carry, t, grads):
-            g_first, g_shared, g_chunk, g_last = grads
+            """Add (first, shared, chunk, last) gradients to the accumulators; None: none."""
             chunk = tabs["chunk"][t, me]
-            add = lambda acc, g: jax.tree.map(jnp.add, acc, g)  # noqa: E731
-            return dict(
-                carry, g_first=add(carry["g_first"], g_first),
-                g_shared=add(carry["g_shared"], g_shared), g_last=add(carry["g_last"], g_last),
-                g_stage=jax.tree.map(lambda acc, g: acc.at[chunk].add(g), carry["g_stage"],
-                                     g_chunk))
+            carry = dict(carry)
+            for name, g in zip(("g_first", "g_shared", "g_stage", "g_last"), grads):
+                if g is None:
+                    continue
+                if name == "g_stage":
+                    carry[name] = jax.tree.map(lambda acc, g: acc.at[chunk].add(g),
+                                               carry[name], g)
+                else:
+                    carry[name] = jax.tree.map(jnp.add, carry[name], g)
+            return carry
 
         def sent_back(t, dx):
             is_first = plan.stage_of(tabs["chunk"][t, me], me) == 0
@@ -136,8 +141,14 @@ def pipeline_value_and_grad(table: Table, mesh: Mesh, first_fn: Callable, stage_
         split = SplitVJP()
 
         def input_and_stash(carry, t):
-            run, params, x_in, cotangent = stage_job(carry, t)
-            return split.input_grad(lambda ps, x: run(*ps, x), params, x_in, cotangent)
+            """-> (dx, the ends' gradients, the chunk's stash). The ends (embedding, head)
+            are differentiated in B with the input: they sit behind the first and last
+            stages' conditionals, which W's program would otherwise carry."""
+            run, (first, shared, chunk_p, last), x_in, cotangent = stage_job(carry, t)
+            (dx, *ends), stash = split.input_grad(
+                lambda c, xs: run(xs[1], xs[2], c, xs[3], xs[0]), chunk_p,
+                (x_in, first, shared, last), cotangent)
+            return dx, ends, stash
 
         def run_job(carry, t):
             """(carry, forward send, backward send) after this rank's job at tick t. A split
@@ -156,11 +167,13 @@ def pipeline_value_and_grad(table: Table, mesh: Mesh, first_fn: Callable, stage_
                 return lambda c, t, held: (*job(c, t), nothing)
 
             def input_grad(c, t, held):
-                dx, stash = input_and_stash(c, t)
+                dx, (g_first, g_shared, g_last), stash = input_and_stash(c, t)
+                c = accumulate(c, t, (g_first, g_shared, None, g_last))
                 return c, zeros_x, sent_back(t, dx), stash
 
             def weight_grad(c, t, held):  # B's of this function were traced before
-                return accumulate(c, t, split.weight_grad(held)), zeros_x, zeros_x, nothing
+                grads = (None, None, split.weight_grad(held), None)
+                return accumulate(c, t, grads), zeros_x, zeros_x, nothing
 
             carry, send_fwd, send_bwd, stash = jax.lax.switch(
                 kind, (lift(idle), lift(forward), lift(idle), input_grad, weight_grad),
@@ -186,7 +199,7 @@ def pipeline_value_and_grad(table: Table, mesh: Mesh, first_fn: Callable, stage_
             "g_stage": zeros(stage_p),
         }
         if table.split:  # each B's stash, kept in its slot until its W
-            stash = jax.eval_shape(lambda t: input_and_stash(carry, t)[1],
+            stash = jax.eval_shape(lambda t: input_and_stash(carry, t)[2],
                                    jnp.zeros((), jnp.int32))
             carry["stash"] = [jnp.zeros((table.w_slots + 1, *a.shape), a.dtype) for a in stash]
         carry = jax.lax.fori_loop(0, table.ticks, tick, carry)
