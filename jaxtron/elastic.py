@@ -24,7 +24,7 @@ from jaxtron.errors import JaxtronError
 from jaxtron.planner.hardware import Hardware
 from jaxtron.planner.layout import layout_of
 from jaxtron.planner.memory import predict
-from jaxtron.planner.search import plan
+from jaxtron.planner.search import is_legal, plan
 from jaxtron.platforms import for_platform
 from jaxtron.sharding.mesh import resolve_degrees
 
@@ -52,11 +52,16 @@ def fewer_processes(config: config_lib.Config, before: int, after: int) -> list[
                                "it a multiple of the process count.")
         overrides.append(f"mesh.dcn_data={m.dcn_data // factor}")
     overrides.append(f"optim.grad_accum={config.optim.grad_accum * factor}")
-    try:  # the shrunk config must still pass every check
-        config_lib.from_dict(config_lib.to_dict(config), overrides)
+    _shrunk(config, overrides, after)
+    return overrides
+
+
+def _shrunk(config: config_lib.Config, overrides: list[str], after: int) -> config_lib.Config:
+    """`config` with `overrides`, which must still pass every check; CannotShrink if not."""
+    try:
+        return config_lib.from_dict(config_lib.to_dict(config), overrides)
     except config_lib.ConfigError as err:
         raise CannotShrink(f"the job cannot continue on {after} process(es): {err}") from None
-    return overrides
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,27 +87,26 @@ def shrink_within(config: config_lib.Config, before: int, after: int,
     if devices is None:
         return overrides
     count = after * devices.per_process
-    shrunk = config_lib.from_dict(config_lib.to_dict(config), overrides)
+    shrunk = _shrunk(config, overrides, after)
     layout = layout_of(shrunk, resolve_degrees(shrunk.mesh, count))
     on_platform = for_platform(shrunk, "cuda" if devices.platform == "gpu" else devices.platform)
     if predict(on_platform, layout).total <= devices.memory_bytes:
         return overrides
-    fixed = {"stage": config.mesh.stage, "virtual_stages": config.pipeline.virtual_stages}
     ranked = plan(config, count, devices.hardware, devices.memory_bytes, devices.platform)
-    legal = [c for c in ranked.best(config, top=len(ranked.fitting))
-             if all(getattr(c.layout, k) == v for k, v in fixed.items())]
-    if not legal:
+    best = next((c.layout for c in ranked.fitting  # fastest first
+                 if c.layout.stage == config.mesh.stage
+                 and c.layout.virtual_stages == config.pipeline.virtual_stages
+                 and is_legal(config, c.layout)), None)
+    if best is None:
         raise CannotShrink(
             f"no layout of this model fits {count} devices of "
-            f"{devices.memory_bytes / 2**20:,.0f} MiB at train.batch_size={config.train.batch_size}; keep more processes "
-            "(--min-processes) or lower the batch.")
-    chosen = legal[0].layout.overrides()
+            f"{devices.memory_bytes / 2**20:,.0f} MiB at train.batch_size="
+            f"{config.train.batch_size}; keep more processes (--min-processes) or lower the "
+            "batch.")
+    chosen = best.overrides()
     chosen.update({f"mesh.dcn_{axis}": 1 for axis in ("data", "fsdp", "stage")})
     if after > 1:  # the data-parallel degree's share across hosts, as before
         chosen["mesh.dcn_data"] = after if chosen["mesh.data"] % after == 0 else 1
     overrides = [f"{key}={value}" for key, value in chosen.items()]
-    try:
-        config_lib.from_dict(config_lib.to_dict(config), overrides)
-    except config_lib.ConfigError as err:
-        raise CannotShrink(f"the job cannot continue on {after} process(es): {err}") from None
+    _shrunk(config, overrides, after)
     return overrides

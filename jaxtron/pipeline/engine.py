@@ -5,16 +5,17 @@ Every tick each rank looks up its action in the table, runs it under `lax.switch
 ranks call the same two collectives: `ppermute` to rank d + 1 and to rank d - 1, carrying the
 rank's one output the way the table says (around a ring the forward output to d + 1 and the
 input gradient to d - 1, the wrap-around carrying interleaved chunks from the last rank back
-to the first; in a V also the other ways, and the turn kept local); idle ranks send zeros. A forward stores nothing but the received input
-activation, in a slot the table assigned; the backward recomputes the stage from that input
-under `jax.vjp` and adds the weight gradients to accumulators in the loop carry. The first
-virtual stage (always on rank 0) embeds the microbatch's tokens and the last (always on rank
-p - 1) computes its loss, so embedding and head gradients come out of the same loop.
+to the first; in a V also the other ways, and the turn kept local); idle ranks send zeros. A
+forward stores nothing but the received input activation, in a slot the table assigned; the
+backward recomputes the stage from that input under `jax.vjp` and adds the weight gradients to
+accumulators in the loop carry. The first virtual stage (always on rank 0) embeds the
+microbatch's tokens and the last (on rank p - 1, or rank 0 in a V) computes its loss, so
+embedding and head gradients come out of the same loop.
 
 The parameters of the two ends arrive split evenly over the ranks, `[p, n/p, ...]` (SPMD
 programs give every rank the same shapes, so a table kept whole on its one user would cost its
 size on every rank). Before the loop each slice is sent only to the rank that uses it:
-`first` to rank 0, `last` to rank p - 1, `shared` (tied embeddings) to both, one
+`first` to rank 0, `last` to the loss's rank, `shared` (tied embeddings) to both, one
 collective-permute per slice and user. After the loop the transpose of that gather sends each
 gradient slice back to its owner, so the ends never need an all-reduce over `stage`.
 
@@ -52,6 +53,7 @@ from jaxtron.pipeline.schedule import INPUT_GRAD, Table
 from jaxtron.pipeline.split_vjp import SplitVJP
 from jaxtron.pipeline.stage_plan import AXIS, Plan, microbatch
 
+
 def pipeline_value_and_grad(table: Table, mesh: Mesh, first_fn: Callable, stage_fn: Callable,
                             last_fn: Callable):
     """Build fn(first_s, last_s, shared_s, stage_p, active, inputs_M, targets_M) -> ((objective,
@@ -73,7 +75,7 @@ def pipeline_value_and_grad(table: Table, mesh: Mesh, first_fn: Callable, stage_
     `[p, v, Lmax, ...]`. The loss is the mean over microbatches (and replicas).
     """
     plan = Plan(table, mesh, first_fn, stage_fn, last_fn)
-    p, m = plan.p, plan.m
+    m = plan.m
     tabs = plan.tabs
 
     def body(replicas, first_s, last_s, shared_s, stage_p, active, inputs, targets):
@@ -241,7 +243,7 @@ def pipeline_loss(table: Table, mesh: Mesh, first_fn: Callable, stage_fn: Callab
     """Build fn(first_s, last_s, shared_s, stage_p, active, inputs_M, targets_M) -> mean loss,
     running a forward-only `table` (see `pipeline_value_and_grad` for the arguments)."""
     plan = Plan(table, mesh, first_fn, stage_fn, last_fn)
-    p, m = plan.p, plan.m
+    m = plan.m
     tabs = plan.tabs
 
     def body(replicas, first_s, last_s, shared_s, stage_p, active, inputs, targets):

@@ -8,7 +8,8 @@ microbatches in groups of p per chunk. `build_table` then places every action at
 tick its inputs exist (a value sent at tick t is usable at tick t + 1), one action per device
 per tick, each taking one tick. The idle cells are the bubble: (p-1)/(m+p-1) for GPipe and 1F1B,
 (p-1)/(v*m+p-1) for interleaved. `zb-h1` splits each backward into B (input gradient) and W
-(weight gradients) and runs the W's in 1F1B's bubbles (`split_backward.py`).
+(weight gradients) and runs the W's in 1F1B's bubbles; `zbv` places two chunks per rank in a V
+(`split_backward.py`).
 
 The table also assigns buffer slots: where each device keeps a received activation until its
 backward has used it, and where it keeps a received gradient. The number of slots is the
@@ -30,7 +31,7 @@ import numpy as np
 IDLE, FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD = 0, 1, 2, 3, 4
 DOWN, UP, SELF, NOWHERE = 0, 1, 2, 3  # where a value goes: rank d + 1, d - 1, d itself
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
-SPLIT_SCHEDULES = ("zb-h1", "zbv")  # B and W apart; zbv is drawn, not run yet
+SPLIT_SCHEDULES = ("zb-h1", "zbv")  # each backward as B and W
 LETTERS = {FORWARD: "F", BACKWARD: "B", INPUT_GRAD: "B", WEIGHT_GRAD: "W"}
 
 

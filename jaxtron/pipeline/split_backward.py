@@ -65,8 +65,8 @@ def zbv_table(stages: int, microbatches: int) -> Table:
     turn at rank p-1 needs no send. Placed tick by tick: each rank runs a ready B if it has one
     (the critical path), else a ready forward while it holds fewer than 2p chunk activations
     (1F1B's memory: p microbatches of a whole stage, a chunk being half of one), else its
-    oldest pending W, else it idles. Not run by the engine yet: `python -m
-    jaxtron.pipeline.show --schedule zbv` draws and checks it."""
+    oldest pending W, else it idles. `python -m jaxtron.pipeline.show --schedule zbv` draws
+    and checks it."""
     p, m = stages, microbatches
     last, cap = 2 * p - 1, 2 * p
     done: dict[tuple[int, int, int], int] = {}

@@ -3,7 +3,7 @@ many microbatches each rank holds.
 
 One checker for every table the engine runs (`schedule.Table`): forwards and whole backwards of
 `gpipe`, `1f1b`, `interleaved`, the forward-only evaluation table, and the split-backward
-`zb-h1` (F, B and W). The rules:
+`zb-h1` and `zbv` (F, B and W; zbv's chunks in a V). The rules:
 
 - every forward of every microbatch on every virtual stage runs exactly once, on the rank that
   owns that virtual stage, and for training tables every backward too (a whole one, or B then W);

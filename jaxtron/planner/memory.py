@@ -245,9 +245,10 @@ def microbatch_tokens(config: Config, layout: Layout) -> int:
     return microbatch_sequences(config, layout) * config.data.seq_len // layout.sequence
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=4096)
 def schedule_table(schedule: str, stages: int, microbatches: int, virtual: int):
-    """The tick table a layout runs (built once per shape: zbv's placement is a search)."""
+    """The tick table a layout runs, built once per shape: the planner asks for thousands,
+    and zbv's placement is a search."""
     return build_table(schedule, stages, microbatches, virtual)
 
 
@@ -280,7 +281,8 @@ def predict(config: Config, layout: Layout) -> Memory:
         in_flight = (layout.microbatches if layout.schedule == "gpipe"
                      else min(layout.microbatches, layout.stage * layout.virtual_stages))
         if layout.schedule == "zbv":  # chunk inputs held, as its greedy table places them
-            in_flight = schedule_table("zbv", layout.stage, layout.microbatches, 2).act_slots
+            in_flight = schedule_table("zbv", layout.stage, layout.microbatches,
+                                       layout.virtual_stages).act_slots
         stage_input = e * tokens * m.d_model
         chunk = math.ceil(layers / layout.virtual_stages)
         # + the embedding and head gathered whole from their stage slices, on every rank

@@ -48,7 +48,6 @@ expert, sequence and stage are within 10% on its matrix.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 import numpy as np
@@ -56,7 +55,7 @@ import numpy as np
 from jaxtron.config import Config
 from jaxtron.planner.layout import Layout
 from jaxtron.planner.memory import (end_bytes, expert_gradient_bytes, microbatch_sequences,
-                                    microbatch_tokens, state_bytes)
+                                    microbatch_tokens, schedule_table, state_bytes)
 
 AXES = ("stage", "data", "fsdp", "expert", "sequence", "tensor")
 
@@ -102,14 +101,6 @@ def _sequence(config: Config, layout: Layout) -> float:
     return (forward + backward) * layers
 
 
-@functools.lru_cache(maxsize=4096)
-def schedule_ticks(schedule: str, stages: int, microbatches: int, virtual: int) -> int:
-    """Ticks of the schedule's table (built once per shape: the planner asks for thousands)."""
-    from jaxtron.pipeline.schedule import build_table
-
-    return build_table(schedule, stages, microbatches, virtual).ticks
-
-
 def _stage(config: Config, layout: Layout) -> tuple[float, float]:
     """(bytes per run of the schedule, bytes per step) over `stage`. Every tick of the
     schedule each rank sends its forward output on and its input gradient back (idle ranks
@@ -122,7 +113,8 @@ def _stage(config: Config, layout: Layout) -> tuple[float, float]:
     m = config.model
     e = np.dtype(m.compute_dtype).itemsize
     tokens = microbatch_tokens(config, layout)
-    ticks = schedule_ticks(layout.schedule, p, layout.microbatches, layout.virtual_stages)
+    ticks = schedule_table(layout.schedule, p, layout.microbatches,
+                           layout.virtual_stages).ticks
     per_pass = 2 * ticks * e * tokens * m.d_model
     ends = end_bytes(config, layout)  # per device, before the split over stages
     # the one table goes to both ends (in a V both are rank 0)
