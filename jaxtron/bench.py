@@ -22,9 +22,12 @@ so the ratio there measures the quantisation's overhead, not fp8 tensor cores).
 `--compare-schedules 1f1b,zb-h1,zbv,interleaved,gpipe` times the step of a pipelined config
 once per pipeline schedule (same model, mesh and microbatches; `interleaved` with two chunks
 per rank unless the config sets more, `zbv` with two), side by side in this run, and prints
-each one's step time, its ratio to the first and the bubble of its tick table. On simulated CPU devices the ranks share
-the machine's cores, so an idle rank frees them for the others: the ratios there show the
-schedules' other costs (more ticks, more sends), not their bubbles.
+each one's step time, its ratio to the first and the bubble of its tick table; `1f1b:stored`
+runs a schedule without recomputation (`pipeline.recompute=false`). On simulated CPU devices the
+ranks share the machine's cores, so an idle rank frees them for the others: the measured ratios
+there show total work and the schedules' other costs (more ticks, more sends), not their
+bubbles. Beside them each row prints the ratio its table gives where ranks run side by side,
+jobs at their real lengths (`pipeline/timeline.py`): a model, not a measurement.
 
 `--json` prints one JSON object with every number as the last line.
 """
@@ -166,25 +169,37 @@ def compare_fp8(config: config_lib.Config, warmup: int, steps: int, repeats: int
 def compare_schedules(config: config_lib.Config, schedules: list[str], warmup: int,
                       steps: int, repeats: int) -> dict:
     """Step time and tick-table bubble of each pipeline schedule, measured one after the
-    other in this run."""
+    other in this run, and the step the table would take where ranks run side by side
+    (`pipeline/timeline.py`), relative to the first. `name:stored` runs a schedule with
+    `pipeline.recompute=false`, `name:recompute` with true."""
     from jaxtron.pipeline.schedule import build_table
+    from jaxtron.pipeline.timeline import step_units, weighted_idle
 
     p, pp = config.mesh.stage, config.pipeline
     if p <= 1:
         raise config_lib.ConfigError("--compare-schedules needs a pipelined config: set "
                                      "mesh.stage > 1 (and pipeline.microbatches).")
     rows = {}
-    for schedule in schedules:
+    for entry in schedules:
+        schedule, _, mode = entry.partition(":")
+        if mode not in ("", "stored", "recompute"):
+            raise config_lib.ConfigError(f"--compare-schedules entry {entry!r}: use a schedule "
+                                         "name, optionally with :stored or :recompute.")
+        recompute = pp.recompute if not mode else mode == "recompute"
         v = (max(pp.virtual_stages, 2) if schedule == "interleaved"
              else 2 if schedule == "zbv" else 1)
         variant = config_lib.from_dict(config_lib.to_dict(config), [
-            f"pipeline.schedule={schedule}", f"pipeline.virtual_stages={v}"])
+            f"pipeline.schedule={schedule}", f"pipeline.virtual_stages={v}",
+            f"pipeline.recompute={str(recompute).lower()}"])
         step_s = bench_jaxtron(variant, jax.devices(), warmup, steps, repeats)["step_s"]
-        rows[schedule] = {"step_s": step_s, "virtual_stages": v,
-                          "bubble": build_table(schedule, p, pp.microbatches, v).bubble}
-    first = rows[schedules[0]]["step_s"]
+        table = build_table(schedule, p, pp.microbatches, v)
+        rows[entry] = {"step_s": step_s, "virtual_stages": v, "recompute": recompute,
+                       "bubble": table.bubble, "parallel_units": step_units(table, recompute),
+                       "parallel_idle": weighted_idle(table, recompute)}
+    first = rows[schedules[0]]
     for row in rows.values():
-        row["step_time_ratio"] = row["step_s"] / first
+        row["step_time_ratio"] = row["step_s"] / first["step_s"]
+        row["parallel_ratio"] = row["parallel_units"] / first["parallel_units"]
     return {"schedules": rows}
 
 
@@ -208,9 +223,10 @@ def format_report(r: dict) -> str:
                      f"{1e3 * r['step_s_no_fp8']:.1f} ms without: ratio "
                      f"{r['fp8_step_time_ratio']:.3f}")
     for name, row in r.get("schedules", {}).items():
-        lines.append(f"schedule {name:<11} (v={row['virtual_stages']}): step "
+        lines.append(f"schedule {name:<16} (v={row['virtual_stages']}): step "
                      f"{1e3 * row['step_s']:.1f} ms, ratio {row['step_time_ratio']:.3f}, "
-                     f"bubble {row['bubble']:.3f}")
+                     f"bubble {row['bubble']:.3f} | ranks side by side (model): ratio "
+                     f"{row['parallel_ratio']:.3f}, idle {row['parallel_idle']:.3f}")
     return "\n".join(lines)
 
 

@@ -209,6 +209,9 @@ class PipelineConfig:
     layers_per_stage: tuple[int, ...] | None = _f(
         None, "layers of each virtual stage in order, e.g. [3, 3, 2, 2] (null = as even as "
         "possible)")
+    recompute: bool = _f(True, "a pipeline's backward runs its stage again from the stored "
+                         "input (true: least memory) or reads the residuals its forward stored "
+                         "(false: one forward less per microbatch, Megatron-LM's default)")
 
 
 @dataclass(frozen=True)

@@ -98,8 +98,9 @@ def peak_flops(devices) -> tuple[float, str]:
 
 def recomputes_block_forward(config) -> bool:
     """Whether the backward runs every block's forward again: `model.remat: full`, or a
-    pipeline, whose backward re-runs each stage from its stored input."""
-    return config.model.remat == "full" or config.mesh.stage > 1
+    pipeline, whose backward re-runs each stage from its stored input (unless
+    `pipeline.recompute: false` stores the residuals instead)."""
+    return config.model.remat == "full" or (config.mesh.stage > 1 and config.pipeline.recompute)
 
 
 def save_dots_repeats_attention(config, platform: str | None = None) -> bool:

@@ -83,7 +83,8 @@ class PipelinedTransformer:
                             for name in self.ends}
         self._rules = (param_rules(c), optimizer_rules(c))
         stage_fns = (self._first, self._stage, self._last)
-        self._value_and_grad = pipeline_value_and_grad(self.table, mesh, *stage_fns)
+        self._value_and_grad = pipeline_value_and_grad(self.table, mesh, *stage_fns,
+                                                      recompute=c.pipeline.recompute)
         self._loss = pipeline_loss(self.eval_table, mesh, *stage_fns)
 
     # -- parameter layouts ----------------------------------------------------------------

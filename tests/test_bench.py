@@ -115,9 +115,13 @@ def test_schedules_are_timed_side_by_side_with_their_tables_bubbles():
     config = load("configs/tiny.yaml", ["mesh.stage=2", "mesh.data=4", "pipeline.microbatches=2",
                                         "train.batch_size=8", "data.seq_len=32",
                                         "model.num_layers=4"])
-    rows = bench.compare_schedules(config, ["1f1b", "interleaved"], 0, 1, 1)["schedules"]
+    rows = bench.compare_schedules(config, ["1f1b", "interleaved", "zb-h1:stored"], 0, 1,
+                                   1)["schedules"]
     assert rows["1f1b"]["step_time_ratio"] == 1.0 and rows["interleaved"]["step_s"] > 0
     assert rows["interleaved"]["virtual_stages"] == 2
+    assert rows["1f1b"]["recompute"] and not rows["zb-h1:stored"]["recompute"]
+    # jobs at their lengths: 1F1B's backwards (3 forwards' work) stall their neighbours
+    assert rows["zb-h1:stored"]["parallel_ratio"] < 1.0 == rows["1f1b"]["parallel_ratio"]
     assert rows["interleaved"]["bubble"] == build_table("interleaved", 2, 2, 2).bubble < \
         rows["1f1b"]["bubble"] == 1 / 3
     with pytest.raises(ConfigError, match="mesh.stage > 1"):

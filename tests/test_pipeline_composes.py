@@ -41,6 +41,9 @@ CASES = {
     "zbv_dropless_stage2_expert2_data2": (
         {"stage": 2, "expert": 2, "data": 2}, {"mode": "dropless"},
         {"microbatches": 2, "schedule": "zbv", "virtual_stages": 2}, 4),
+    "stored_zb_h1_dropless_stage2_expert2_data2": (
+        {"stage": 2, "expert": 2, "data": 2}, {"mode": "dropless"},
+        {"microbatches": 2, "schedule": "zb-h1", "recompute": False}, 4),
     "interleaved_stage2_data2": (
         {"stage": 2, "data": 2}, {}, {"microbatches": 2, "schedule": "interleaved",
                                       "virtual_stages": 2}, 4),
@@ -87,17 +90,20 @@ def test_context_parallel_pipeline_equals_one_device(packed):
 @pytest.mark.parametrize("layout, model", [
     ({"data.packing": "documents", "mesh.sequence": 2, "data.seq_len": 64}, {}),
     ({"model.fp8": "tensorwise"}, {"tie_embeddings": True, "mtp_depth": 1})])
-def test_zb_h1_computes_1f1bs_numbers_with_every_stage_feature(layout, model):
-    """The split backward changes only when weight gradients are formed: the objective and
-    every gradient equal 1F1B's (itself tested against one device) with packed documents and
-    context parallelism inside stages, fp8 matmuls, tied embeddings and multi-token
-    prediction."""
+def test_zb_h1_and_stored_residuals_compute_1f1bs_numbers_with_every_stage_feature(layout,
+                                                                                   model):
+    """The split backward changes only when weight gradients are formed, stored residuals
+    only what the backward recomputes: the objective and every gradient equal 1F1B's (itself
+    tested against one device) with packed documents and context parallelism inside stages,
+    fp8 matmuls, tied embeddings and multi-token prediction."""
     results = []
-    for schedule in ("1f1b", "zb-h1"):
+    for schedule, recompute in (("1f1b", True), ("zb-h1", True), ("1f1b", False)):
         config = make_config({"mesh.data": 1, "mesh.stage": 2, "pipeline.microbatches": 2,
-                              "pipeline.schedule": schedule, **layout}, model=model)
+                              "pipeline.schedule": schedule, "pipeline.recompute": recompute,
+                              **layout}, model=model)
         results.append(first_batch_objective_metrics_grads(config, 2 * config.mesh.sequence))
-    (objective, _, grads), (zb_objective, _, zb_grads) = results
-    np.testing.assert_allclose(zb_objective, objective, rtol=1e-6)
-    for a, b in zip(jax.tree.leaves(zb_grads), jax.tree.leaves(grads), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    (objective, _, grads), *others = results
+    for other_objective, _, other_grads in others:
+        np.testing.assert_allclose(other_objective, objective, rtol=1e-6)
+        for a, b in zip(jax.tree.leaves(other_grads), jax.tree.leaves(grads), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)

@@ -26,11 +26,15 @@ data-parallel reduction (`sharding/data_parallel.py`: gradient accumulation, ZeR
 manual already and that reduction is the one. fsdp and tensor sharding inside a stage stay
 automatic.
 
+Without recomputation (`recompute=False`) a forward also leaves the residuals its backward
+reads in a slot of the carry (`stored_vjp.py`), and the backward transposes the stage's tangent
+map from them instead of running the stage again.
+
 Split tables (`zb-h1`, `zbv`) run a backward as two jobs (`split_vjp.py`): B recomputes the
-stage from its input as above but forms only the input gradient (and the ends', behind their
-conditionals), leaving the layers' weight inputs and output gradients in a stash slot of the
-carry; W, later, forms the layers' weight gradients from that stash and adds them to the
-accumulators.
+stage from its input as above (or reads its stored residuals) but forms only the input
+gradient (and the ends', behind their conditionals), leaving the layers' weight inputs and
+output gradients in a stash slot of the carry; W, later, forms the layers' weight gradients
+from that stash and adds them to the accumulators.
 
 What the training and evaluation loops share (the table's arrays, the ends' gather, the
 composite stage, a V table's sends) is `stage_plan.Plan`.
@@ -49,13 +53,14 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
-from jaxtron.pipeline.schedule import INPUT_GRAD, Table
+from jaxtron.pipeline.schedule import FORWARD, INPUT_GRAD, Table
 from jaxtron.pipeline.split_vjp import SplitVJP
+from jaxtron.pipeline.stored_vjp import StoredVJP
 from jaxtron.pipeline.stage_plan import AXIS, Plan, microbatch
 
 
 def pipeline_value_and_grad(table: Table, mesh: Mesh, first_fn: Callable, stage_fn: Callable,
-                            last_fn: Callable):
+                            last_fn: Callable, recompute: bool = True):
     """Build fn(first_s, last_s, shared_s, stage_p, active, inputs_M, targets_M) -> ((objective,
     metrics), (g_first, g_last, g_shared, g_stage)), gradients in the layouts of their
     parameters.
@@ -77,6 +82,7 @@ def pipeline_value_and_grad(table: Table, mesh: Mesh, first_fn: Callable, stage_
     plan = Plan(table, mesh, first_fn, stage_fn, last_fn)
     m = plan.m
     tabs = plan.tabs
+    store = not recompute
 
     def body(replicas, first_s, last_s, shared_s, stage_p, active, inputs, targets):
         me = jax.lax.axis_index(AXIS)
@@ -89,32 +95,41 @@ def pipeline_value_and_grad(table: Table, mesh: Mesh, first_fn: Callable, stage_
         # Each replica's loss is the mean of its rows: the global mean divides by replicas too.
         scale = 1.0 / (m * math.prod(mesh.shape[a] for a in replicas))
 
-        def idle(carry, t):
-            return carry, zeros_x, zeros_x
+        stored_vjp, split = StoredVJP(), SplitVJP()
 
-        def forward(carry, t):
+        def idle(carry, t, held):
+            return carry, zeros_x, zeros_x, {}
+
+        def job_run(t, x_in):
+            """(fn(params, x) of the job at tick t, params = the ends and the chunk's)."""
             micro, chunk = tabs["microbatch"][t, me], tabs["chunk"][t, me]
-            x_in = carry["acts"][tabs["act_slot"][t, me]]
             chunk_p, chunk_active = plan.chunk(stage_p, active, chunk)
-            (y, objective), metrics = plan.composite(me, inputs, targets, micro, chunk,
-                                                     chunk_active, first_p, shared_p, chunk_p,
-                                                     last_p, x_in)
+            run = functools.partial(plan.composite, me, inputs, targets, micro, chunk,
+                                    chunk_active)
+            return lambda ps, x: run(*ps, x), (first_p, shared_p, chunk_p, last_p)
+
+        def forward(carry, t, held):
+            chunk = tabs["chunk"][t, me]
+            x_in = carry["acts"][tabs["act_slot"][t, me]]
+            fn, params = job_run(t, x_in)
+            if store:  # the residuals the backward reads, instead of recomputing them
+                (y, objective), metrics, residuals = stored_vjp.forward(fn, params, x_in)
+            else:
+                ((y, objective), metrics), residuals = fn(params, x_in), None
             carry = dict(carry, loss=carry["loss"] + objective * scale,
                          metrics=plan.add_metrics(carry["metrics"], metrics, chunk, scale))
             is_last = plan.stage_of(chunk, me) == plan.last_stage
-            return carry, jnp.where(is_last, zeros_x, y), zeros_x
+            return carry, jnp.where(is_last, zeros_x, y), zeros_x, {"res": residuals}
 
         def stage_job(carry, t):
-            """(run, its inputs, the output cotangent) of the backward at tick t."""
-            micro, chunk = tabs["microbatch"][t, me], tabs["chunk"][t, me]
+            """(fn, params, its input, the output cotangent) of the backward at tick t."""
+            chunk = tabs["chunk"][t, me]
             x_in = carry["acts"][tabs["act_slot"][t, me]]
             is_last = plan.stage_of(chunk, me) == plan.last_stage
             dy = jnp.where(is_last, zeros_x, carry["grads_in"][tabs["grad_slot"][t, me]])
             dloss = jnp.asarray(scale, jnp.float32)  # every stage may add auxiliary terms
-            chunk_p, chunk_active = plan.chunk(stage_p, active, chunk)
-            run = functools.partial(plan.composite, me, inputs, targets, micro, chunk,
-                                    chunk_active)
-            return run, (first_p, shared_p, chunk_p, last_p), x_in, (dy, dloss)
+            fn, params = job_run(t, x_in)
+            return fn, params, x_in, (dy, dloss)
 
         def accumulate(carry, t, grads):
             """Add (first, shared, chunk, last) gradients to the accumulators; None: none."""
@@ -134,54 +149,68 @@ def pipeline_value_and_grad(table: Table, mesh: Mesh, first_fn: Callable, stage_
             is_first = plan.stage_of(tabs["chunk"][t, me], me) == 0
             return jnp.where(is_first, zeros_x, dx)
 
-        def backward(carry, t):
-            run, params, x_in, cotangent = stage_job(carry, t)
-            _, vjp, _ = jax.vjp(lambda ps, x: run(*ps, x), params, x_in, has_aux=True)
-            grads, dx = vjp(cotangent)
-            return accumulate(carry, t, grads), zeros_x, sent_back(t, dx)
+        def backward(carry, t, held):
+            fn, params, x_in, cotangent = stage_job(carry, t)
+            if store:
+                grads, dx = stored_vjp.backward(fn, params, x_in, held["res"], cotangent)
+            else:  # recompute the stage from its input
+                _, vjp, _ = jax.vjp(fn, params, x_in, has_aux=True)
+                grads, dx = vjp(cotangent)
+            return accumulate(carry, t, grads), zeros_x, sent_back(t, dx), {}
 
-        split = SplitVJP()
-
-        def input_and_stash(carry, t):
+        def input_and_stash(carry, t, held):
             """-> (dx, the ends' gradients, the chunk's stash). The ends (embedding, head)
             are differentiated in B with the input: they sit behind the first and last
             stages' conditionals, which W's program would otherwise carry."""
-            run, (first, shared, chunk_p, last), x_in, cotangent = stage_job(carry, t)
+            fn, (first, shared, chunk_p, last), x_in, cotangent = stage_job(carry, t)
+            tangent = None
+            if store:
+                full = stored_vjp.tangent_map(fn, (first, shared, chunk_p, last), x_in,
+                                              held["res"])
+                tangent = lambda c, xs: full((xs[1], xs[2], c, xs[3]), xs[0])  # noqa: E731
             (dx, *ends), stash = split.input_grad(
-                lambda c, xs: run(xs[1], xs[2], c, xs[3], xs[0]), chunk_p,
-                (x_in, first, shared, last), cotangent)
+                lambda c, xs: fn((xs[1], xs[2], c, xs[3]), xs[0]), chunk_p,
+                (x_in, first, shared, last), cotangent, tangent)
             return dx, ends, stash
 
+        def input_grad(c, t, held):
+            dx, (g_first, g_shared, g_last), stash = input_and_stash(c, t, held)
+            c = accumulate(c, t, (g_first, g_shared, None, g_last))
+            return c, zeros_x, sent_back(t, dx), {"stash": stash}
+
+        def weight_grad(c, t, held):  # B's of this function were traced before
+            grads = (None, None, split.weight_grad(held["stash"]), None)
+            return accumulate(c, t, grads), zeros_x, zeros_x, {}
+
+        # Buffers written by one kind of job and read by a later one: (slot table, writer).
+        slotted = {"res": ("res_slot", FORWARD), "stash": ("w_slot", INPUT_GRAD)}
+
         def run_job(carry, t):
-            """(carry, forward send, backward send) after this rank's job at tick t. A split
-            table's stash slots stay out of the switch (whose branches would each return a
-            copy of them): W's slot is read before it, B's written after it (idle ticks write
-            the scratch slot)."""
+            """(carry, forward send, backward send) after this rank's job at tick t. Stored
+            residuals and stashes stay out of the switch (whose branches would each return a
+            copy of them): the slot a job reads is read before it, the one it writes written
+            after it (by the other jobs, zeros to the buffer's scratch slot)."""
             kind = tabs["kind"][t, me]
-            if not table.split:
-                return jax.lax.switch(kind, (idle, forward, backward), carry, t)
-            slot = tabs["w_slot"][t, me]
-            buffers = carry.pop("stash")
-            held = [buf[slot] for buf in buffers]
-            nothing = [jnp.zeros_like(v) for v in held]
+            buffers = {name: carry.pop(name) for name in slotted if name in carry}
+            slots = {name: tabs[slotted[name][0]][t, me] for name in buffers}
+            held = {name: [b[slots[name]] for b in bufs] for name, bufs in buffers.items()}
 
-            def lift(job):
-                return lambda c, t, held: (*job(c, t), nothing)
+            def filled(job):
+                def run(c, t, held):
+                    c, send_fwd, send_bwd, written = job(c, t, held)
+                    return c, send_fwd, send_bwd, {
+                        name: written.get(name) or [jnp.zeros_like(v) for v in held[name]]
+                        for name in buffers}
+                return run
 
-            def input_grad(c, t, held):
-                dx, (g_first, g_shared, g_last), stash = input_and_stash(c, t)
-                c = accumulate(c, t, (g_first, g_shared, None, g_last))
-                return c, zeros_x, sent_back(t, dx), stash
-
-            def weight_grad(c, t, held):  # B's of this function were traced before
-                grads = (None, None, split.weight_grad(held), None)
-                return accumulate(c, t, grads), zeros_x, zeros_x, nothing
-
-            carry, send_fwd, send_bwd, stash = jax.lax.switch(
-                kind, (lift(idle), lift(forward), lift(idle), input_grad, weight_grad),
-                carry, t, held)
-            write = jnp.where(kind == INPUT_GRAD, slot, table.w_slots)
-            carry["stash"] = [buf.at[write].set(v) for buf, v in zip(buffers, stash)]
+            jobs = ((idle, forward, backward) if not table.split else
+                    (idle, forward, idle, input_grad, weight_grad))
+            carry, send_fwd, send_bwd, written = jax.lax.switch(
+                kind, [filled(job) for job in jobs], carry, t, held)
+            for name, bufs in buffers.items():
+                scratch = bufs[0].shape[0] - 1 if bufs else 0
+                write = jnp.where(kind == slotted[name][1], slots[name], scratch)
+                carry[name] = [b.at[write].set(v) for b, v in zip(bufs, written[name])]
             return carry, send_fwd, send_bwd
 
         def tick(t, carry):
@@ -200,9 +229,14 @@ def pipeline_value_and_grad(table: Table, mesh: Mesh, first_fn: Callable, stage_
             "g_first": zeros(first_p), "g_shared": zeros(shared_p), "g_last": zeros(last_p),
             "g_stage": zeros(stage_p),
         }
+        t0 = jnp.zeros((), jnp.int32)
+        if store:  # each forward's residuals, kept in its slot until its backward
+            res = jax.eval_shape(lambda t: stored_vjp.forward(*job_run(t, zeros_x), zeros_x)[2],
+                                 t0)
+            carry["res"] = [jnp.zeros((table.res_slots + 1, *a.shape), a.dtype) for a in res]
         if table.split:  # each B's stash, kept in its slot until its W
-            stash = jax.eval_shape(lambda t: input_and_stash(carry, t)[2],
-                                   jnp.zeros((), jnp.int32))
+            held = {"res": [jnp.zeros(a.shape, a.dtype) for a in res]} if store else {}
+            stash = jax.eval_shape(lambda t: input_and_stash(carry, t, held)[2], t0)
             carry["stash"] = [jnp.zeros((table.w_slots + 1, *a.shape), a.dtype) for a in stash]
         carry = jax.lax.fori_loop(0, table.ticks, tick, carry)
         g_ends = send_back((carry["g_first"], carry["g_last"], carry["g_shared"]))

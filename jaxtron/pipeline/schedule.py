@@ -140,6 +140,10 @@ class Table(TickTable):
     recv_grad_self: np.ndarray
     send_dir: np.ndarray
     v_shape: bool = False  # chunks placed down and back up the ranks (`virtual_stage`)
+    # where a forward leaves the residuals its backward reads (`pipeline.recompute: false`),
+    # held from the forward to the backward (or B); res_slots of them per rank
+    res_slot: np.ndarray | None = None
+    res_slots: int = 0
 
     @property
     def split(self) -> bool:
@@ -214,7 +218,11 @@ def assign_slots(placed, ticks: int, p: int, v: int, m: int, done,
     # until the backward (or B) of (mb, vs) has run; a B's stash until its W.
     backward = INPUT_GRAD if any(k == INPUT_GRAD for k, _, _ in done) else BACKWARD
     act_events, grad_events, w_events = [], [], []  # (arrival, release, device, (mb, vs))
+    res_events = []
     for (k, micro, vs), t in done.items():
+        if k == FORWARD and (backward, micro, vs) in done:
+            res_events.append((t, done[(backward, micro, vs)], owner(vs, p, v_shape)[0],
+                               (micro, vs)))
         if k == FORWARD and vs < last:
             dest = vs + 1  # held until its backward; without backwards, until its forward
             release = done.get((backward, micro, dest), done[(FORWARD, micro, dest)])
@@ -229,7 +237,8 @@ def assign_slots(placed, ticks: int, p: int, v: int, m: int, done,
     act_of, act_slots = _allocate(act_events, p)
     grad_of, grad_slots = _allocate(grad_events, p)
     w_of, w_slots = _allocate(w_events, p) if w_events else ({}, 0)
-    w_slot = np.zeros(shape, np.int32)
+    res_of, res_slots = _allocate(res_events, p) if res_events else ({}, 0)
+    w_slot, res_slot = np.zeros(shape, np.int32), np.zeros(shape, np.int32)
 
     def channel(sender: int, receiver: int, ring: int) -> int:
         if not v_shape:
@@ -257,9 +266,11 @@ def assign_slots(placed, ticks: int, p: int, v: int, m: int, done,
                 grad_slot[t, d] = grad_of.get(key, grad_slots)
             if a.kind in (INPUT_GRAD, WEIGHT_GRAD):
                 w_slot[t, d] = w_of[key]
+            if a.kind in (FORWARD, BACKWARD, INPUT_GRAD):
+                res_slot[t, d] = res_of.get(key, res_slots)
     return Table(kind, mb, chunk, act_slot, grad_slot, recv_act, recv_grad, act_slots,
                  grad_slots, p, v, m, w_slot, w_slots, recv_acts[UP], recv_acts[SELF],
-                 recv_grads[DOWN], recv_grads[SELF], send_dir, v_shape)
+                 recv_grads[DOWN], recv_grads[SELF], send_dir, v_shape, res_slot, res_slots)
 
 
 def _allocate(events, p: int):

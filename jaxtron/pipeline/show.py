@@ -9,7 +9,9 @@ Each row is a pipeline rank, each column a tick (one forward or one backward of 
 microbatch chunk): `F3` / `B3` run microbatch 3 (`F3.1`: chunk 1), `.` is idle. With the
 split-backward schedules `zb-h1` and `zbv` a tick is one F, one B (input gradient) or one W
 (weight gradient); `zbv`'s rows show each rank's two chunks (`.0` down the V, `.1` back up).
-Every table shown is first checked by `jaxtron.pipeline.validate`.
+Every table shown is first checked by `jaxtron.pipeline.validate`. The last line gives the
+idle share where ranks run side by side with jobs at their real lengths
+(`jaxtron.pipeline.timeline`), with the backward recomputing the stage and without.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from jaxtron.pipeline import split_backward, validate
+from jaxtron.pipeline import split_backward, timeline, validate
 from jaxtron.pipeline.schedule import SCHEDULES, SPLIT_SCHEDULES, build_table, render
 
 
@@ -36,19 +38,30 @@ def main(argv=None) -> int:
     if args.schedule != "interleaved" and v != 1:
         parser.error("--virtual > 1 needs --schedule interleaved")
     if args.schedule in SPLIT_SCHEDULES:
-        return show_split(args.schedule, p, m)
-    table = build_table(args.schedule, p, m, v)
-    validate.check(table)
-    print(render(table))
-    formula = (p - 1) / (v * m + p - 1)
-    print(f"{args.schedule}: {p} stages, {m} microbatches, {v} chunk(s) per rank: "
-          f"{table.ticks} ticks, bubble {table.bubble:.4f} "
-          f"(formula (p-1)/(v*m+p-1) = {formula:.4f}); activations held per rank at most "
-          f"{table.act_slots}")
+        show_split(args.schedule, p, m)
+    else:
+        show_table(args.schedule, p, m, v)
+    table = build_table(args.schedule, p, m, 2 if args.schedule == "zbv" else v)
+    print(f"ranks side by side, jobs at their lengths: idle "
+          f"{timeline.weighted_idle(table, recompute=True):.4f} recomputing "
+          f"(pipeline.recompute=true), {timeline.weighted_idle(table, recompute=False):.4f} "
+          f"from stored residuals; step {timeline.step_units(table, True):g} and "
+          f"{timeline.step_units(table, False):g} forwards of one stage")
     return 0
 
 
-def show_split(schedule: str, p: int, m: int) -> int:
+def show_table(schedule: str, p: int, m: int, v: int) -> None:
+    table = build_table(schedule, p, m, v)
+    validate.check(table)
+    print(render(table))
+    formula = (p - 1) / (v * m + p - 1)
+    print(f"{schedule}: {p} stages, {m} microbatches, {v} chunk(s) per rank: "
+          f"{table.ticks} ticks, bubble {table.bubble:.4f} "
+          f"(formula (p-1)/(v*m+p-1) = {formula:.4f}); activations held per rank at most "
+          f"{table.act_slots}")
+
+
+def show_split(schedule: str, p: int, m: int) -> None:
     table = build_table(schedule, p, m)
     checked = validate.check(table)
     print(render(table))
@@ -58,12 +71,11 @@ def show_split(schedule: str, p: int, m: int) -> int:
               f"tick: {table.ticks} ticks, bubble {table.bubble:.4f} ({one_f_one_b}); chunk "
               f"activations held per rank at most {max(checked.peak_in_flight)} (1F1B: "
               f"{min(p, m)} whole stages = {2 * min(p, m)} chunks)")
-        return 0
+        return
     print(f"{schedule}: {p} stages, {m} microbatches, F = B = W = one tick: {table.ticks} "
           f"ticks, bubble {table.bubble:.4f} (formula (p-1)/(3m+p-1) = "
           f"{split_backward.bubble_formula(p, m):.4f}; {one_f_one_b}); microbatches held per "
           f"rank at most {max(checked.peak_in_flight)} (1F1B: {min(p, m)})")
-    return 0
 
 
 if __name__ == "__main__":

@@ -36,10 +36,12 @@ class SplitVJP:
     def __init__(self):
         self._weight = None  # (jaxpr of W's products, which params it uses, their tree, avals)
 
-    def input_grad(self, fn, params, x, cotangent):
+    def input_grad(self, fn, params, x, cotangent, tangent_fn=None):
         """-> (dx, stash) of `fn(params, x) -> (outputs, aux)` at the outputs' `cotangent`: the
-        input gradient, and the arrays `weight_grad` needs."""
-        _, tangent_fn, _ = jax.linearize(fn, params, x, has_aux=True)
+        input gradient, and the arrays `weight_grad` needs. `tangent_fn(dparams, dx)`, fn's
+        tangent map from stored residuals (`stored_vjp.py`), replaces linearizing fn again."""
+        if tangent_fn is None:
+            _, tangent_fn, _ = jax.linearize(fn, params, x, has_aux=True)
         p_flat, p_tree = jax.tree.flatten(params)
         x_flat, x_tree = jax.tree.flatten(x)
 

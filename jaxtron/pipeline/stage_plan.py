@@ -55,7 +55,7 @@ class Plan:
         self.tabs = {name: jnp.asarray(getattr(table, name)) for name in
                      ("kind", "microbatch", "chunk", "act_slot", "grad_slot", "recv_act",
                       "recv_grad", "w_slot", "recv_act_up", "recv_act_self", "recv_grad_down",
-                      "recv_grad_self", "send_dir")}
+                      "recv_grad_self", "send_dir", "res_slot")}
         # The loss's rank: p - 1 around a ring, rank 0 at the top of a V.
         self.last_rank = 0 if table.v_shape else self.p - 1
         self.forward_ring = [(d, (d + 1) % self.p) for d in range(self.p)]

@@ -259,6 +259,13 @@ def zb_stashes(layout: Layout) -> int:
                           layout.virtual_stages).w_slots + 3
 
 
+def stored_residuals(layout: Layout) -> int:
+    """Chunk residuals a rank holds at once without recomputation: its table's slots, the
+    scratch slot and the one read and the one written in a tick."""
+    return schedule_table(layout.schedule, layout.stage, layout.microbatches,
+                          layout.virtual_stages).res_slots + 3
+
+
 def predict(config: Config, layout: Layout) -> Memory:
     """Per-device bytes of `config` run under `layout`."""
     params, moments, grads = state_bytes(config, layout)
@@ -291,6 +298,10 @@ def predict(config: Config, layout: Layout) -> Memory:
         if layout.schedule in ("zb-h1", "zbv"):  # B's stashes (a chunk's activations)
             activations += zb_stashes(layout) * chunk * layer_activation_bytes(
                 config, layout, tokens, "none")
+        if not config.pipeline.recompute:  # each forward's residuals until its backward
+            # the ends' behind their conditionals too: norms and the head's logits
+            ends = e * tokens * 3 * m.d_model + 4 * tokens * m.vocab_size / layout.tensor
+            activations += stored_residuals(layout) * (chunk * kept + ends)
     else:
         activations = layers * kept + working
     vocab = m.vocab_size / layout.tensor
