@@ -8,8 +8,9 @@
         --compare "mesh.tensor=8 mesh.stage=8 pipeline.microbatches=64"   # rank a given layout
 
 Prints the fastest layouts that fit (per-device memory by parameters, optimizer state,
-gradients, activations and logits; bytes sent per device per step by axis; the pipeline bubble;
-step time and MFU from a roofline). How each number is modelled: `jaxtron/planner/`.
+gradients, activations and logits; bytes sent per device per step by axis; the pipeline bubble
+and a rank's idle share with jobs at their lengths; step time and MFU from a roofline). How
+each number is modelled: `jaxtron/planner/`.
 """
 
 from __future__ import annotations
@@ -61,8 +62,8 @@ def format_row(index, candidate) -> str:
     return (f"{index:>4}  {candidate.layout.describe():<52} {size(mem.total):>10} "
             f"(params {size(mem.params)}, optimizer {size(mem.optimizer)}, grads "
             f"{size(mem.gradients)}, activations {size(mem.activations)}, logits "
-            f"{size(mem.logits)})  bubble {cost.bubble:.1%}  step {cost.step_s:.4g} s  "
-            f"MFU {cost.mfu:.1%}  sent per device: {comm}")
+            f"{size(mem.logits)})  bubble {cost.bubble:.1%} (idle {cost.idle:.1%})  step "
+            f"{cost.step_s:.4g} s  MFU {cost.mfu:.1%}  sent per device: {comm}")
 
 
 @exits_on_user_error

@@ -153,6 +153,10 @@ CASES = {
     "stored_zbv_p2_m4_tensor2": {"mesh.stage": 2, "mesh.tensor": 2, "pipeline.microbatches": 4,
                                  "pipeline.schedule": "zbv", "pipeline.virtual_stages": 2,
                                  "pipeline.recompute": False},
+    "stored_zbh1_p2_remat_save_dots": {"mesh.stage": 2, "pipeline.microbatches": 2,
+                                       "pipeline.schedule": "zb-h1",
+                                       "pipeline.recompute": False,
+                                       "model.remat": "save_dots"},
     "zbh1_uneven_p2_user_split": {"mesh.stage": 2, "pipeline.microbatches": 4,
                                   "pipeline.layers_per_stage": [1, 3],
                                   "pipeline.schedule": "zb-h1"},
@@ -302,8 +306,8 @@ def test_1f1b_memory_is_flat_in_microbatches_while_gpipe_grows():
 def test_zero_bubble_memory_is_1f1bs_plus_its_stashes(monkeypatch, schedule, virtual):
     """A split schedule keeps 1F1B's stage inputs (zbv: its table's count of chunk inputs) and
     adds B's stashes (the weights' inputs and output gradients a W reads): the table's stash
-    slots, a scratch slot, and the one read and the one written in a tick. The stash's bytes
-    are recorded as the engine traces B; zb-h1's memory is flat in m."""
+    slots and up to one more, the values B returns before they are written into their slot.
+    The stash's bytes are recorded as the engine traces B; zb-h1's memory is flat in m."""
     from jaxtron.pipeline import split_vjp
 
     stash_bytes = []
@@ -320,9 +324,10 @@ def test_zero_bubble_memory_is_1f1bs_plus_its_stashes(monkeypatch, schedule, vir
     split = temp_bytes(schedule, 4, 8, virtual)
     table, one_f_one_b = build_table(schedule, 4, 4, virtual), build_table("1f1b", 4, 4)
     held = (table.act_slots - one_f_one_b.act_slots) + (table.grad_slots - one_f_one_b.grad_slots)
-    formula = (table.w_slots + 3) * stash_bytes[-1] + held * activation
+    low, high = ((slots * stash_bytes[-1] + held * activation)
+                 for slots in (table.w_slots, table.w_slots + 1))
     extra = split - temp_bytes("1f1b", 4, 8)
-    assert abs(extra - formula) < 0.1 * formula, (extra, formula)
+    assert 0.95 * low <= extra <= 1.05 * high, (extra, low, high)
     if schedule == "zb-h1":
         assert abs(temp_bytes(schedule, 16, 8) - split) < activation
 
@@ -330,9 +335,9 @@ def test_zero_bubble_memory_is_1f1bs_plus_its_stashes(monkeypatch, schedule, vir
 def test_stored_residuals_cost_their_slots_and_zb_h1_holds_what_1f1b_without_recompute_holds(
         monkeypatch):
     """`pipeline.recompute: false` keeps each forward's residuals (those that depend on the
-    activations; the weights' own are recomputed) in the table's residual slots, plus a scratch
-    slot and the one read and the one written in a tick, less up to one: the residuals the
-    recomputing backward held for its moment. Flat in m. ZB-H1 (recomputing in B) holds no
+    activations; the weights' own are recomputed) in the table's residual slots, plus up to
+    one (the residuals the forward returns before they are written, less those the
+    recomputing backward held for its moment). Flat in m. ZB-H1 (recomputing in B) holds no
     more than that, the paper's comparison (1F1B without recomputation)."""
     from jaxtron.pipeline import stored_vjp
 
@@ -350,9 +355,9 @@ def test_stored_residuals_cost_their_slots_and_zb_h1_holds_what_1f1b_without_rec
     stored = temp_bytes("1f1b", 4, 8, recompute=False)
     slots, residuals = build_table("1f1b", 4, 4).res_slots, residual_bytes[-1]
     extra = stored - temp_bytes("1f1b", 4, 8)
-    assert 0.95 * (slots + 2) * residuals <= extra <= 1.05 * (slots + 3) * residuals, extra
+    assert 0.95 * slots * residuals <= extra <= 1.05 * (slots + 1) * residuals, extra
     assert abs(temp_bytes("1f1b", 16, 8, recompute=False) - stored) < activation
-    # measured: 0.91 (zb-h1 21.8 MB, 1F1B without recomputation 24.0 MB, recomputing 7.7 MB)
+    # measured: 0.88 (zb-h1 18.3 MB, 1F1B without recomputation 20.8 MB, recomputing 7.7 MB)
     assert temp_bytes("zb-h1", 4, 8) <= 1.1 * stored
     temp_bytes.cache_clear()
 

@@ -152,7 +152,7 @@ def pipeline_value_and_grad(table: Table, mesh: Mesh, first_fn: Callable, stage_
         def backward(carry, t, held):
             fn, params, x_in, cotangent = stage_job(carry, t)
             if store:
-                grads, dx = stored_vjp.backward(fn, params, x_in, held["res"], cotangent)
+                grads, dx = stored_vjp.backward(fn, params, x_in, held("res"), cotangent)
             else:  # recompute the stage from its input
                 _, vjp, _ = jax.vjp(fn, params, x_in, has_aux=True)
                 grads, dx = vjp(cotangent)
@@ -166,7 +166,7 @@ def pipeline_value_and_grad(table: Table, mesh: Mesh, first_fn: Callable, stage_
             tangent = None
             if store:
                 full = stored_vjp.tangent_map(fn, (first, shared, chunk_p, last), x_in,
-                                              held["res"])
+                                              held("res"))
                 tangent = lambda c, xs: full((xs[1], xs[2], c, xs[3]), xs[0])  # noqa: E731
             (dx, *ends), stash = split.input_grad(
                 lambda c, xs: fn((xs[1], xs[2], c, xs[3]), xs[0]), chunk_p,
@@ -179,7 +179,7 @@ def pipeline_value_and_grad(table: Table, mesh: Mesh, first_fn: Callable, stage_
             return c, zeros_x, sent_back(t, dx), {"stash": stash}
 
         def weight_grad(c, t, held):  # B's of this function were traced before
-            grads = (None, None, split.weight_grad(held["stash"]), None)
+            grads = (None, None, split.weight_grad(held("stash")), None)
             return accumulate(c, t, grads), zeros_x, zeros_x, {}
 
         # Buffers written by one kind of job and read by a later one: (slot table, writer).
@@ -187,30 +187,36 @@ def pipeline_value_and_grad(table: Table, mesh: Mesh, first_fn: Callable, stage_
 
         def run_job(carry, t):
             """(carry, forward send, backward send) after this rank's job at tick t. Stored
-            residuals and stashes stay out of the switch (whose branches would each return a
-            copy of them): the slot a job reads is read before it, the one it writes written
-            after it (by the other jobs, zeros to the buffer's scratch slot)."""
+            residuals and stashes are not returned by the switch (its branches would each
+            return a copy of them): the job that reads a slot slices it inside its branch; the
+            one that writes returns the values (the others zeros), and they go into their slot
+            after the switch under a conditional that XLA updates in place."""
             kind = tabs["kind"][t, me]
             buffers = {name: carry.pop(name) for name in slotted if name in carry}
             slots = {name: tabs[slotted[name][0]][t, me] for name in buffers}
-            held = {name: [b[slots[name]] for b in bufs] for name, bufs in buffers.items()}
+
+            def held(name):  # sliced inside the branch that reads it: no copy on other ticks
+                return [b[slots[name]] for b in buffers[name]]
 
             def filled(job):
-                def run(c, t, held):
+                def run(c, t):
                     c, send_fwd, send_bwd, written = job(c, t, held)
                     return c, send_fwd, send_bwd, {
-                        name: written.get(name) or [jnp.zeros_like(v) for v in held[name]]
-                        for name in buffers}
+                        name: written.get(name) or [jnp.zeros(b.shape[1:], b.dtype)
+                                                    for b in bufs]
+                        for name, bufs in buffers.items()}
                 return run
 
             jobs = ((idle, forward, backward) if not table.split else
                     (idle, forward, idle, input_grad, weight_grad))
             carry, send_fwd, send_bwd, written = jax.lax.switch(
-                kind, [filled(job) for job in jobs], carry, t, held)
-            for name, bufs in buffers.items():
-                scratch = bufs[0].shape[0] - 1 if bufs else 0
-                write = jnp.where(kind == slotted[name][1], slots[name], scratch)
-                carry[name] = [b.at[write].set(v) for b, v in zip(bufs, written[name])]
+                kind, [filled(job) for job in jobs], carry, t)
+            for name, bufs in buffers.items():  # in place, under a conditional
+                slot = slots[name]
+                carry[name] = jax.lax.cond(
+                    kind == slotted[name][1],
+                    lambda bs, vs: [b.at[slot].set(v) for b, v in zip(bs, vs)],
+                    lambda bs, vs: bs, bufs, written[name])
             return carry, send_fwd, send_bwd
 
         def tick(t, carry):
@@ -233,11 +239,12 @@ def pipeline_value_and_grad(table: Table, mesh: Mesh, first_fn: Callable, stage_
         if store:  # each forward's residuals, kept in its slot until its backward
             res = jax.eval_shape(lambda t: stored_vjp.forward(*job_run(t, zeros_x), zeros_x)[2],
                                  t0)
-            carry["res"] = [jnp.zeros((table.res_slots + 1, *a.shape), a.dtype) for a in res]
+            carry["res"] = [jnp.zeros((table.res_slots, *a.shape), a.dtype) for a in res]
         if table.split:  # each B's stash, kept in its slot until its W
-            held = {"res": [jnp.zeros(a.shape, a.dtype) for a in res]} if store else {}
-            stash = jax.eval_shape(lambda t: input_and_stash(carry, t, held)[2], t0)
-            carry["stash"] = [jnp.zeros((table.w_slots + 1, *a.shape), a.dtype) for a in stash]
+            zeros_res = [jnp.zeros(a.shape, a.dtype) for a in res] if store else []
+            stash = jax.eval_shape(lambda t: input_and_stash(carry, t, lambda _: zeros_res)[2],
+                                   t0)
+            carry["stash"] = [jnp.zeros((table.w_slots, *a.shape), a.dtype) for a in stash]
         carry = jax.lax.fori_loop(0, table.ticks, tick, carry)
         g_ends = send_back((carry["g_first"], carry["g_last"], carry["g_shared"]))
         g_stage = jax.tree.map(lambda g: g[None], carry["g_stage"])

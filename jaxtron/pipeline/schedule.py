@@ -14,7 +14,9 @@ per tick, each taking one tick. The idle cells are the bubble: (p-1)/(m+p-1) for
 The table also assigns buffer slots: where each device keeps a received activation until its
 backward has used it, and where it keeps a received gradient. The number of slots is the
 memory the schedule needs: GPipe's grows with m, 1F1B's stays near p. Split tables also assign
-each B a stash slot, where what its W needs waits until the W has run.
+each B a stash slot, where what its W needs waits until the W has run, and every training
+table assigns each forward a residual slot, used without recomputation
+(`pipeline.recompute: false`), where its residuals wait for its backward.
 
 `forward_table` is evaluation's schedule: the same placement with forwards only, in the
 interleaved order (microbatches in groups of p per chunk, which is plain microbatch order when

@@ -4,13 +4,16 @@ Communication per mesh axis comes from `jaxtron/planner/traffic.py` (bytes each 
 per step, checked against the compiled step by `python -m jaxtron.planner.validate`). An axis
 runs on the fast intra-node links when it and the axes inside it fit in one node (axes nest as
 stage, data, fsdp, expert, sequence, tensor from outside in), else on the inter-node network.
-Step time = compute / (1 - bubble) + tensor, sequence, expert and stage time (on the critical
-path) + the part of data and fsdp time that the backward cannot hide.
+Step time = compute / (1 - idle) + tensor, sequence, expert and stage time (on the critical
+path) + the part of data and fsdp time that the backward cannot hide. A pipeline rank's idle
+share is its tick table's walked with jobs at their real lengths (`pipeline/timeline.py`: a
+backward beside a neighbour's forward stalls it), not the table's unit-tick bubble.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 from jaxtron.config import Config
@@ -19,6 +22,7 @@ from jaxtron.planner.hardware import Hardware
 from jaxtron.planner.layout import Layout
 from jaxtron.planner.memory import schedule_table
 from jaxtron.planner.traffic import communication
+from jaxtron.pipeline.timeline import weighted_idle
 
 AXES = ("stage", "data", "fsdp", "expert", "sequence", "tensor")
 # `save_dots` also repeats the elementwise work (norms, activations, softmax): a few percent of
@@ -31,7 +35,8 @@ SAVE_DOTS_OVERHEAD = 0.03
 class Cost:
     comm_bytes: dict          # axis -> bytes sent per device per step
     comm_s: dict              # axis -> seconds
-    bubble: float
+    bubble: float             # the tick table's idle cells (every job one tick)
+    idle: float               # a rank's idle share with jobs at their real lengths
     compute_s: float
     step_s: float
     mfu: float
@@ -50,6 +55,21 @@ def bubble_fraction(layout: Layout) -> float:
     return (p - 1) / ((v if layout.schedule == "interleaved" else 1) * m + p - 1)
 
 
+def idle_fraction(layout: Layout) -> float:
+    """Share of the step a pipeline rank waits, jobs at their lengths (`timeline.py`)."""
+    if layout.stage == 1:
+        return 0.0
+    return _table_idle(layout.schedule, layout.stage, layout.microbatches,
+                       layout.virtual_stages, layout.recompute)
+
+
+@functools.lru_cache(maxsize=4096)
+def _table_idle(schedule: str, stages: int, microbatches: int, virtual: int,
+                recompute: bool) -> float:
+    """Walked once per table shape: the planner asks for thousands of layouts."""
+    return weighted_idle(schedule_table(schedule, stages, microbatches, virtual), recompute)
+
+
 def intra_node(layout: Layout, axis: str, node_size: int) -> bool:
     degrees = layout.degrees()
     inner = math.prod(degrees[a] for a in AXES[AXES.index(axis):])
@@ -65,19 +85,20 @@ def estimate(config: Config, layout: Layout, hardware: Hardware, platform: str =
     compute = hw_flops / layout.devices / per_device_peak
     if layout.remat == "save_dots":
         compute *= 1 + SAVE_DOTS_OVERHEAD
-    bubble = bubble_fraction(layout)
+    bubble, idle = bubble_fraction(layout), idle_fraction(layout)
     volumes = communication(config, layout, platform)
     seconds = {axis: volume / (hardware.intra_bw if intra_node(layout, axis, hardware.node_size)
                                else hardware.inter_bw)
                for axis, volume in volumes.items()}
     critical = seconds["tensor"] + seconds["sequence"] + seconds["expert"] + seconds["stage"]
     hidden = max(0.0, seconds["data"] + seconds["fsdp"] - compute * 2 / 3)  # overlap backward
-    step = compute / (1 - bubble) + critical + hidden
+    step = compute / (1 - idle) + critical + hidden
     mfu = model_flops / step / (layout.devices * hardware.peak_flops)
-    return Cost(volumes, seconds, bubble, compute, step, mfu)
+    return Cost(volumes, seconds, bubble, idle, compute, step, mfu)
 
 
 def _with_remat(config: Config, layout: Layout) -> Config:
     model = dataclasses.replace(config.model, remat=layout.remat)
     mesh = dataclasses.replace(config.mesh, stage=layout.stage)
-    return dataclasses.replace(config, model=model, mesh=mesh)
+    pipeline = dataclasses.replace(config.pipeline, recompute=layout.recompute)
+    return dataclasses.replace(config, model=model, mesh=mesh, pipeline=pipeline)

@@ -22,6 +22,7 @@ class Layout:
     grad_accum: int = 1
     schedule: str = "1f1b"
     virtual_stages: int = 1
+    recompute: bool = True     # pipeline backward runs the stage again (False: stored residuals)
 
     @property
     def devices(self) -> int:
@@ -45,7 +46,8 @@ class Layout:
         if self.stage > 1:
             out.update({"pipeline.microbatches": self.microbatches,
                         "pipeline.schedule": self.schedule,
-                        "pipeline.virtual_stages": self.virtual_stages})
+                        "pipeline.virtual_stages": self.virtual_stages,
+                        "pipeline.recompute": self.recompute})
         return out
 
     def describe(self) -> str:
@@ -56,7 +58,7 @@ class Layout:
             parts.append(f"zero{self.zero_stage}")
         if self.stage > 1:
             sched = self.schedule + (f"/v{self.virtual_stages}" if self.virtual_stages > 1 else "")
-            parts.append(f"m={self.microbatches} {sched}")
+            parts.append(f"m={self.microbatches} {sched}" + ("" if self.recompute else " stored"))
         if self.grad_accum > 1:
             parts.append(f"accum={self.grad_accum}")
         parts.append(f"remat={self.remat}")
@@ -69,7 +71,8 @@ def layout_of(config: config_lib.Config, degrees: dict[str, int]) -> Layout:
     return Layout(**degrees, sequence_parallel=c.mesh.sequence_parallel,
                   zero_stage=c.optim.zero_stage, remat=c.model.remat,
                   microbatches=c.pipeline.microbatches, grad_accum=c.optim.grad_accum,
-                  schedule=c.pipeline.schedule, virtual_stages=c.pipeline.virtual_stages)
+                  schedule=c.pipeline.schedule, virtual_stages=c.pipeline.virtual_stages,
+                  recompute=c.pipeline.recompute)
 
 
 def apply(config: config_lib.Config, layout: Layout) -> config_lib.Config:

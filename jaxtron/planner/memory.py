@@ -253,17 +253,17 @@ def schedule_table(schedule: str, stages: int, microbatches: int, virtual: int):
 
 
 def zb_stashes(layout: Layout) -> int:
-    """Stashes a zero-bubble rank holds at once: its table's slots, the scratch slot the
-    engine writes on other ticks, and the one being read and the one being written."""
+    """Stashes a zero-bubble rank holds at once: its table's slots and the one B returns
+    before it is written into its slot."""
     return schedule_table(layout.schedule, layout.stage, layout.microbatches,
-                          layout.virtual_stages).w_slots + 3
+                          layout.virtual_stages).w_slots + 1
 
 
 def stored_residuals(layout: Layout) -> int:
-    """Chunk residuals a rank holds at once without recomputation: its table's slots, the
-    scratch slot and the one read and the one written in a tick."""
+    """Chunk residuals a rank holds at once without recomputation: its table's slots and the
+    ones a forward returns before they are written into their slot."""
     return schedule_table(layout.schedule, layout.stage, layout.microbatches,
-                          layout.virtual_stages).res_slots + 3
+                          layout.virtual_stages).res_slots + 1
 
 
 def predict(config: Config, layout: Layout) -> Memory:
@@ -298,7 +298,7 @@ def predict(config: Config, layout: Layout) -> Memory:
         if layout.schedule in ("zb-h1", "zbv"):  # B's stashes (a chunk's activations)
             activations += zb_stashes(layout) * chunk * layer_activation_bytes(
                 config, layout, tokens, "none")
-        if not config.pipeline.recompute:  # each forward's residuals until its backward
+        if not layout.recompute:  # each forward's residuals until its backward
             # the ends' behind their conditionals too: norms and the head's logits
             ends = e * tokens * 3 * m.d_model + 4 * tokens * m.vocab_size / layout.tensor
             activations += stored_residuals(layout) * (chunk * kept + ends)

@@ -100,14 +100,16 @@ def _variants(config: Config, mesh: Layout):
                 pipelines.append((mb, "zbv", 2))
                 if mb % mesh.stage == 0:
                     pipelines.append((mb, "interleaved", 2))
-    for sp, zero, remat, (mb, schedule, virtual) in itertools.product(sps, zeros, REMATS,
-                                                                     pipelines):
+    recomputes = (True, False) if mesh.stage > 1 else (True,)
+    for sp, zero, remat, (mb, schedule, virtual), recompute in itertools.product(
+            sps, zeros, REMATS, pipelines, recomputes):
         for accum in _accumulations(per_replica // mb if per_replica % mb == 0 else 0):
             if sp and config.data.seq_len % (mesh.tensor * mesh.sequence):
                 continue
             yield dataclasses.replace(mesh, sequence_parallel=sp, zero_stage=zero, remat=remat,
                                       microbatches=mb, schedule=schedule,
-                                      virtual_stages=virtual, grad_accum=accum)
+                                      virtual_stages=virtual, grad_accum=accum,
+                                      recompute=recompute)
 
 
 def candidates(config: Config, devices: int, hardware: Hardware, platform: str = "gpu"):
@@ -161,6 +163,7 @@ def plan(config: Config, devices: int, hardware: Hardware, budget: int,
     # Among equally fast layouts prefer fewer moving parts: no accumulation, no recompute,
     # no ZeRO, no sequence parallelism; then less memory.
     fitting.sort(key=lambda c: (round(c.cost.step_s, 9), c.layout.grad_accum,
-                                REMATS.index(c.layout.remat), c.layout.zero_stage,
+                                REMATS.index(c.layout.remat), not c.layout.recompute,
+                                c.layout.zero_stage,
                                 c.layout.sequence_parallel, c.memory.total))
     return Plan(fitting, considered)
