@@ -113,6 +113,9 @@ LAYOUTS = {
               "pipeline.schedule": "zb-h1"},
     "zbv": {"mesh.data": 4, "mesh.stage": 2, "pipeline.microbatches": 2,
             "pipeline.schedule": "zbv", "pipeline.virtual_stages": 2, "model.num_layers": 4},
+    # the backward from the residuals the forward stored, through the flash kernels' rules
+    "zb_h1_stored": {"mesh.data": 4, "mesh.stage": 2, "pipeline.microbatches": 2,
+                     "pipeline.schedule": "zb-h1", "pipeline.recompute": False},
     "expert_capacity": {"mesh.data": 4, "mesh.expert": 2, "moe.num_experts": 4},
     "expert_dropless": {"mesh.data": 4, "mesh.expert": 2, "moe.num_experts": 4,
                         "moe.mode": "dropless"},
