@@ -100,7 +100,7 @@ def pipeline_value_and_grad(table: Table, mesh: Mesh, first_fn: Callable, stage_
         def idle(carry, t, held):
             return carry, zeros_x, zeros_x, {}
 
-        def job_run(t, x_in):
+        def job_run(t):
             """(fn(params, x) of the job at tick t, params = the ends and the chunk's)."""
             micro, chunk = tabs["microbatch"][t, me], tabs["chunk"][t, me]
             chunk_p, chunk_active = plan.chunk(stage_p, active, chunk)
@@ -111,7 +111,7 @@ def pipeline_value_and_grad(table: Table, mesh: Mesh, first_fn: Callable, stage_
         def forward(carry, t, held):
             chunk = tabs["chunk"][t, me]
             x_in = carry["acts"][tabs["act_slot"][t, me]]
-            fn, params = job_run(t, x_in)
+            fn, params = job_run(t)
             if store:  # the residuals the backward reads, instead of recomputing them
                 (y, objective), metrics, residuals = stored_vjp.forward(fn, params, x_in)
             else:
@@ -128,7 +128,7 @@ def pipeline_value_and_grad(table: Table, mesh: Mesh, first_fn: Callable, stage_
             is_last = plan.stage_of(chunk, me) == plan.last_stage
             dy = jnp.where(is_last, zeros_x, carry["grads_in"][tabs["grad_slot"][t, me]])
             dloss = jnp.asarray(scale, jnp.float32)  # every stage may add auxiliary terms
-            fn, params = job_run(t, x_in)
+            fn, params = job_run(t)
             return fn, params, x_in, (dy, dloss)
 
         def accumulate(carry, t, grads):
@@ -237,7 +237,7 @@ def pipeline_value_and_grad(table: Table, mesh: Mesh, first_fn: Callable, stage_
         }
         t0 = jnp.zeros((), jnp.int32)
         if store:  # each forward's residuals, kept in its slot until its backward
-            res = jax.eval_shape(lambda t: stored_vjp.forward(*job_run(t, zeros_x), zeros_x)[2],
+            res = jax.eval_shape(lambda t: stored_vjp.forward(*job_run(t), zeros_x)[2],
                                  t0)
             carry["res"] = [jnp.zeros((table.res_slots, *a.shape), a.dtype) for a in res]
         if table.split:  # each B's stash, kept in its slot until its W
