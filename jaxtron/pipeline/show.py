@@ -20,7 +20,8 @@ import argparse
 import sys
 
 from jaxtron.pipeline import split_backward, timeline, validate
-from jaxtron.pipeline.schedule import SCHEDULES, SPLIT_SCHEDULES, build_table, render
+from jaxtron.pipeline.schedule import (SCHEDULES, SPLIT_SCHEDULES, Table, build_table,
+                                       render)
 
 
 def main(argv=None) -> int:
@@ -38,10 +39,9 @@ def main(argv=None) -> int:
     if args.schedule != "interleaved" and v != 1:
         parser.error("--virtual > 1 needs --schedule interleaved")
     if args.schedule in SPLIT_SCHEDULES:
-        show_split(args.schedule, p, m)
+        table = show_split(args.schedule, p, m)
     else:
-        show_table(args.schedule, p, m, v)
-    table = build_table(args.schedule, p, m, 2 if args.schedule == "zbv" else v)
+        table = show_table(args.schedule, p, m, v)
     print(f"ranks side by side, jobs at their lengths: idle "
           f"{timeline.weighted_idle(table, recompute=True):.4f} recomputing "
           f"(pipeline.recompute=true), {timeline.weighted_idle(table, recompute=False):.4f} "
@@ -50,7 +50,7 @@ def main(argv=None) -> int:
     return 0
 
 
-def show_table(schedule: str, p: int, m: int, v: int) -> None:
+def show_table(schedule: str, p: int, m: int, v: int) -> Table:
     table = build_table(schedule, p, m, v)
     validate.check(table)
     print(render(table))
@@ -59,9 +59,10 @@ def show_table(schedule: str, p: int, m: int, v: int) -> None:
           f"{table.ticks} ticks, bubble {table.bubble:.4f} "
           f"(formula (p-1)/(v*m+p-1) = {formula:.4f}); activations held per rank at most "
           f"{table.act_slots}")
+    return table
 
 
-def show_split(schedule: str, p: int, m: int) -> None:
+def show_split(schedule: str, p: int, m: int) -> Table:
     table = build_table(schedule, p, m)
     checked = validate.check(table)
     print(render(table))
@@ -71,11 +72,12 @@ def show_split(schedule: str, p: int, m: int) -> None:
               f"tick: {table.ticks} ticks, bubble {table.bubble:.4f} ({one_f_one_b}); chunk "
               f"activations held per rank at most {max(checked.peak_in_flight)} (1F1B: "
               f"{min(p, m)} whole stages = {2 * min(p, m)} chunks)")
-        return
+        return table
     print(f"{schedule}: {p} stages, {m} microbatches, F = B = W = one tick: {table.ticks} "
           f"ticks, bubble {table.bubble:.4f} (formula (p-1)/(3m+p-1) = "
           f"{split_backward.bubble_formula(p, m):.4f}; {one_f_one_b}); microbatches held per "
           f"rank at most {max(checked.peak_in_flight)} (1F1B: {min(p, m)})")
+    return table
 
 
 if __name__ == "__main__":

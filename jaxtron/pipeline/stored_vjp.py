@@ -81,10 +81,6 @@ class StoredVJP:
         stored = [v for v, keep in zip(values[n_lead:], traced.stored) if keep]
         return outputs, aux, stored
 
-    def stored_shapes(self, fn, params, x):
-        """The shapes and dtypes `forward` stores, without running anything."""
-        return jax.eval_shape(lambda p, xs: self.forward(fn, p, xs)[2], params, x)
-
     def tangent_map(self, fn, params, x, stored):
         """fn's tangent map at the stored point, (dparams, dx) -> the outputs' tangent leaves:
         what `backward` transposes, or a split backward (`split_vjp.py`) partially
