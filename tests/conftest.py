@@ -1,16 +1,23 @@
-"""Eight simulated CPU devices for every test, and a per-session corpus cache."""
+"""Eight simulated CPU devices for every test, a per-session corpus cache, one compilation
+cache for every worker of a session, and the longest tests first."""
 
 import json
 import os
+import tempfile
+from pathlib import Path
 
 # The tests compile far more than they run: their models are tiny and nearly every test builds
-# new programs. LLVM's optimisation level 0 cuts XLA:CPU's compile time by about 40%; the HLO
+# new programs (about three quarters of a test's time is XLA's backend compile). LLVM's
+# optimisation level 0 cuts XLA:CPU's compile time by about 40%, and its older elemental
+# emitters in place of the fusion emitters halve what is left (a pipelined step: 2.1 -> 1.0 s;
+# the step then runs about 20% slower, which a test of a few steps never notices). The HLO
 # passes (sharding propagation, SPMD partitioning, fusion, scheduling, buffer assignment) are
-# those of a real run, and the arithmetic differs only at round-off. Subprocesses inherit it.
-FAST_COMPILE_FLAG = "--xla_backend_optimization_level=0"
+# those of a real run, and the arithmetic differs only at round-off. Subprocesses inherit them;
+# CLI runs of many steps drop them (`long_run_env`).
+FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""),
                                     "--xla_force_host_platform_device_count=8",
-                                    FAST_COMPILE_FLAG]).strip()
+                                    FAST_COMPILE_FLAGS]).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
@@ -33,20 +40,59 @@ def corpus_cache(tmp_path_factory):
 
 @pytest.fixture(scope="session", autouse=True)
 def compilation_cache(tmp_path_factory):
-    """One persistent XLA compilation cache for the session, shared with the CLI subprocesses:
-    the same tiny programs are compiled by many tests, and a cache hit skips XLA entirely."""
-    path = str(tmp_path_factory.mktemp("xla-cache"))
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = path
-    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.5"
+    """One persistent XLA compilation cache for the session, shared by every xdist worker and
+    the CLI subprocesses: a program one of them compiled is read back by the others. A size
+    limit turns on the cache's file lock, so workers never read an entry half written."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    path = (str(Path(tempfile.gettempdir()) / f"jaxtron-xla-cache-{run}") if run
+            else str(tmp_path_factory.mktemp("xla-cache")))
+    settings = {"JAX_COMPILATION_CACHE_DIR": path,
+                "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.5",
+                "JAX_COMPILATION_CACHE_MAX_SIZE": str(8 * 2**30)}
+    os.environ.update(settings)
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    jax.config.update("jax_compilation_cache_max_size", 8 * 2**30)
     return path
+
+
+DURATIONS = Path(__file__).parent / "durations.json"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Longest tests first, dealt alternately to the two halves that pytest-xdist's worksteal
+    hands its two workers: each starts with its longest tests and steals short ones at the end,
+    so no long test starts last. Seconds per test id come from tests/durations.json (written
+    by `pytest --durations-file`); a test not listed there counts as a short one."""
+    known = json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}
+    ranked = sorted(items, key=lambda item: -known.get(item.nodeid, 1.0))
+    items[:] = ranked[0::2] + ranked[1::2]
+
+
+def pytest_addoption(parser):
+    parser.addoption("--durations-file", action="store_true",
+                     help="write each test's setup + call seconds to tests/durations.json")
+
+
+_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    if report.when in ("setup", "call"):
+        _SECONDS[report.nodeid] = _SECONDS.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session):
+    if session.config.getoption("--durations-file") and _SECONDS:
+        rows = {k: round(v, 1) for k, v in sorted(_SECONDS.items(), key=lambda x: -x[1])
+                if v >= 0.5}
+        DURATIONS.write_text(json.dumps(rows, indent=0) + "\n")
 
 
 def long_run_env() -> dict:
     """The environment for a CLI run of many steps, where run time outweighs compile time: the
     flags a user has (LLVM's default optimisation level)."""
-    flags = os.environ["XLA_FLAGS"].replace(FAST_COMPILE_FLAG, "").strip()
+    flags = os.environ["XLA_FLAGS"].replace(FAST_COMPILE_FLAGS, "").strip()
     return dict(os.environ, XLA_FLAGS=flags)
 
 

@@ -137,15 +137,10 @@ def test_prepare_inputs(tmp_path, capsys):
                                                "--encoding", "klingon"], "--encoding klingon")
 
 
-@pytest.fixture(scope="module")
-def trained_run(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("trained")
-    config = make_config({"train.steps": 2, "train.run_dir": str(run_dir), "mesh.data": 8})
-    train.run(config)
-    return run_dir
-
-
-def test_checkpoints_and_exports(tmp_path, capsys, trained_run):
+def test_checkpoints_and_exports(tmp_path, capsys):
+    trained_run = tmp_path / "trained"
+    train.run(make_config({"train.steps": 2, "train.run_dir": str(trained_run),
+                           "mesh.data": 8}))
     fails_with_one_line(capsys, export.main, ["--checkpoint", str(trained_run), "--out",
                                               str(tmp_path / "e"), "--step", "7"],
                         "--step 7 was never saved", "choose one of 2")

@@ -16,7 +16,7 @@ from jaxtron.checkpoint import saved_steps
 from jaxtron.launch import LaunchFailed, productive_seconds, supervise
 from jaxtron.run_dir import last_logged_step
 
-from conftest import FAST_COMPILE_FLAG, losses_by_step
+from conftest import FAST_COMPILE_FLAGS, losses_by_step
 from test_multihost import BASE, train
 
 
@@ -101,7 +101,7 @@ def start_supervised(tmp_path, steps, *launch_args):
     reference = tmp_path / "one-process"
     train(reference, 1, f"train.steps={steps}")
     run_dir = tmp_path / "supervised"
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=FAST_COMPILE_FLAG)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=FAST_COMPILE_FLAGS)
     command = [sys.executable, "-u", "-m", "jaxtron.launch", "--processes", "2",
                "--cpu-devices", "4", "--heartbeat-timeout-s", "10", *launch_args, "--", *BASE,
                f"train.steps={steps}", "mesh.dcn_data=2", f"train.run_dir={run_dir}"]
@@ -204,7 +204,7 @@ def test_a_shrunk_job_that_would_not_fit_takes_the_planners_fitting_layout():
 def test_a_launcher_command_starts_the_job_as_one_child(tmp_path):
     """`--launcher` (srun in a SLURM allocation) runs the training command itself; `env`
     stands in for it here, setting what srun would (one task)."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=FAST_COMPILE_FLAG)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=FAST_COMPILE_FLAGS)
     out = subprocess.run(
         [sys.executable, "-m", "jaxtron.launch", "--launcher",
          "env SLURM_NTASKS=1 SLURM_PROCID=0", "--", *BASE, "mesh.data=1", "mesh.tensor=1",
@@ -223,7 +223,7 @@ def test_a_node_srun_reports_failing_twice_is_excluded_from_the_next_step(tmp_pa
     steps_log = tmp_path / "srun.jsonl"
     env = dict(os.environ, JAX_PLATFORMS="cpu", FAKE_SRUN_NODES="node0,node1",
                FAKE_SRUN_BROKEN="node1", FAKE_SRUN_LOG=str(steps_log),
-               XLA_FLAGS=f"{FAST_COMPILE_FLAG} --xla_force_host_platform_device_count=4")
+               XLA_FLAGS=f"{FAST_COMPILE_FLAGS} --xla_force_host_platform_device_count=4")
     run_dir = tmp_path / "run"
     out = subprocess.run(
         [sys.executable, "-m", "jaxtron.launch", "--launcher",

@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import FAST_COMPILE_FLAG, losses_by_step
+from conftest import FAST_COMPILE_FLAGS, losses_by_step
 from jaxtron.config import DistributedConfig
 from jaxtron.distributed import LaunchError, first_slurm_host, resolve_launch
 from jaxtron.launch import free_port
@@ -32,7 +32,7 @@ def launch(run_dir, processes, *extra, env_for=None):
     for rank in range(processes):
         env = dict(os.environ, JAX_PLATFORMS="cpu",
                    XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} "
-                             f"{FAST_COMPILE_FLAG}")
+                             f"{FAST_COMPILE_FLAGS}")
         if processes > 1:
             env.update(env_for(rank, port))
         cmd = [sys.executable, "-u", "-m", "jaxtron.train", *BASE, f"train.run_dir={run_dir}",

@@ -15,7 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import FAST_COMPILE_FLAG
+from conftest import FAST_COMPILE_FLAGS
 
 ROOT = Path(__file__).parent.parent
 HARDWARE = {"On a machine with an NVIDIA GPU": "needs an NVIDIA GPU",
@@ -75,7 +75,7 @@ def test_every_readme_command_runs_in_order(tmp_path):
             continue
         extra_env, argv = as_argv(line)
         env = {**shell, **extra_env}
-        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {FAST_COMPILE_FLAG}".strip()
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {FAST_COMPILE_FLAGS}".strip()
         result = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=600,
                                 env=env)
         assert result.returncode == 0, f"{line}\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
