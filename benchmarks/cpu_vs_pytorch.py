@@ -8,7 +8,7 @@ training step each. PyTorch uses `scaled_dot_product_attention`; jaxtron is the 
 `jaxtron.train` runs, on one device, as configured, with `model.remat=save_dots` (on a CPU,
 recomputing a block's elementwise work is cheaper than storing it) and with the opt-in
 `JAXTRON_CPU_MATMULS=onednn` (oneDNN's matmuls instead of XLA's default). Like `jaxtron.train`,
-it first tunes glibc malloc for XLA:CPU (`jaxtron.host_memory`). They alternate for
+it first tunes glibc malloc for XLA:CPU (`jaxtron.runtime.host_memory`). They alternate for
 `--rounds` rounds and ratios of the medians are printed, so machine noise hits all alike.
 Each line also shows the cores kept busy (process CPU time over wall time; PyTorch's OpenMP
 threads spin while they wait, so its figure is an upper bound on useful work).
@@ -81,15 +81,15 @@ def jaxtron_step(*overrides: str, matmuls: str = "xla"):
     import jax
 
     from jaxtron import bench
-    from jaxtron.config import load
+    from jaxtron.config.loading import load_config
 
     config = load("configs/tiny.yaml", [
         "model.type=gpt2", f"model.num_layers={LAYERS}", f"model.d_model={WIDTH}",
         f"model.num_heads={HEADS}", "model.num_kv_heads=null", f"model.mlp_dim={4 * WIDTH}",
         f"model.vocab_size={VOCAB}", f"data.seq_len={SEQ}", f"train.batch_size={BATCH}",
         "mesh.data=1", *overrides])
-    from jaxtron.cpu_matmuls import ENV
-    from jaxtron.trainer import Trainer
+    from jaxtron.runtime.cpu_matmuls import ENV
+    from jaxtron.training.trainer import Trainer
 
     os.environ[ENV] = matmuls  # read when the Trainer builds its steps
     trainer = Trainer(config, jax.devices()[:1])
@@ -118,7 +118,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args()
-    from jaxtron.host_memory import keep_freed_host_memory
+    from jaxtron.runtime.host_memory import keep_freed_host_memory
 
     keep_freed_host_memory()  # as jaxtron.train does, before JAX starts its threads
     try:

@@ -7,12 +7,12 @@ The step is the one `jaxtron.train` runs (same Trainer, same jit), fed random to
 is read. After `--warmup` steps, `--repeats` windows of `--steps` back-to-back steps are timed,
 each closed by one `block_until_ready`, and the median window gives the step time.
 
-- MFU: model FLOPs (`jaxtron.flops`, the formula training reports) / step time / peak.
+- MFU: model FLOPs (`jaxtron.training.flops`, the formula training reports) / step time / peak.
 - HFU: the same plus the FLOPs that activation recompute repeats (`model.remat: full` runs every
   block's forward twice; `save_dots` the attention forward, with cuDNN only).
 - Peak: datasheet bf16 numbers for known accelerators; on CPU, an fp32 matmul measured in this
   run on the whole machine (simulated devices share its cores).
-- Overhead: on one device, the jaxtron step against `jaxtron.plain_llama`, the same model written
+- Overhead: on one device, the jaxtron step against `jaxtron.training.plain_llama`, the same model written
   as a minimal plain-JAX step; their ratio is what the framework costs (Llama models only).
 
 `--compare-fp8` also times the same step with `model.fp8: tensorwise` and with `none`, side
@@ -43,12 +43,14 @@ import time
 import jax
 import numpy as np
 
-from jaxtron import config as config_lib
-from jaxtron.host_memory import keep_freed_host_memory
-from jaxtron.cpu_matmuls import compiler_options
+from jaxtron.config.loading import config_from_dict, config_to_dict, load_config
+from jaxtron.config.schema import Config
+from jaxtron.errors import ConfigError
+from jaxtron.runtime.host_memory import keep_freed_host_memory
+from jaxtron.runtime.cpu_matmuls import compiler_options
 from jaxtron.errors import exits_on_user_error
 from jaxtron.export import single_device_config
-from jaxtron.flops import hardware_flops_per_token, peak_flops, training_flops_per_token
+from jaxtron.training.flops import hardware_flops_per_token, peak_flops, training_flops_per_token
 from jaxtron.sharding.mesh import describe_mesh
 from jaxtron.sharding.report import memory_report
 
@@ -59,7 +61,7 @@ FIELDS = ("tokens_per_s", "step_s", "model_tflops_per_device", "mfu", "hfu", "co
           "overhead_ratio")
 
 
-def random_tokens(config: config_lib.Config, seed: int = 0) -> np.ndarray:
+def random_tokens(config: Config, seed: int = 0) -> np.ndarray:
     rng = np.random.default_rng(seed)
     shape = (config.train.batch_size, config.data.seq_len + 1)
     return rng.integers(0, config.model.vocab_size, shape, dtype=np.int32)
@@ -100,7 +102,7 @@ def time_steps(step, state, batch, warmup: int, steps: int, repeats: int):
 
 
 def bench_jaxtron(config, devices, warmup, steps, repeats) -> dict:
-    from jaxtron.trainer import Trainer
+    from jaxtron.training.trainer import Trainer
 
     trainer = Trainer(config, devices)
     state = trainer.init_state()
@@ -115,8 +117,7 @@ def bench_jaxtron(config, devices, warmup, steps, repeats) -> dict:
 
 
 def bench_plain(config, device, warmup, steps, repeats) -> float:
-    from jaxtron import plain_llama
-
+    from jaxtron.training import plain_llama
     init_state, step = plain_llama.make_step(config, compiler_options([device]))
     with jax.default_device(device):
         state = init_state()
@@ -125,7 +126,7 @@ def bench_plain(config, device, warmup, steps, repeats) -> float:
     return step_s
 
 
-def run(config: config_lib.Config, warmup: int = 3, steps: int = 5, repeats: int = 3,
+def run(config: Config, warmup: int = 3, steps: int = 5, repeats: int = 3,
         reference: bool = True) -> dict:
     devices = jax.devices()
     tokens = config.train.batch_size * config.data.seq_len
@@ -156,39 +157,39 @@ def run(config: config_lib.Config, warmup: int = 3, steps: int = 5, repeats: int
     return report
 
 
-def compare_fp8(config: config_lib.Config, warmup: int, steps: int, repeats: int) -> dict:
+def compare_fp8(config: Config, warmup: int, steps: int, repeats: int) -> dict:
     """Step time with and without fp8 matmuls, measured one after the other in this run."""
     devices, times = jax.devices(), {}
     for mode in ("none", "tensorwise"):
-        variant = config_lib.from_dict(config_lib.to_dict(config), [f"model.fp8={mode}"])
+        variant = config_from_dict(config_to_dict(config), [f"model.fp8={mode}"])
         times[mode] = bench_jaxtron(variant, devices, warmup, steps, repeats)["step_s"]
     return {"step_s_no_fp8": times["none"], "step_s_fp8": times["tensorwise"],
             "fp8_step_time_ratio": times["tensorwise"] / times["none"]}
 
 
-def compare_schedules(config: config_lib.Config, schedules: list[str], warmup: int,
+def compare_schedules(config: Config, schedules: list[str], warmup: int,
                       steps: int, repeats: int) -> dict:
     """Step time and tick-table bubble of each pipeline schedule, measured one after the
     other in this run, and the step the table would take where ranks run side by side
     (`pipeline/timeline.py`), relative to the first. `name:stored` runs a schedule with
     `pipeline.recompute=false`, `name:recompute` with true."""
-    from jaxtron.pipeline.schedule import build_table
+    from jaxtron.pipeline.schedules import build_table
     from jaxtron.pipeline.timeline import step_units, weighted_idle
 
     p, pp = config.mesh.stage, config.pipeline
     if p <= 1:
-        raise config_lib.ConfigError("--compare-schedules needs a pipelined config: set "
+        raise ConfigError("--compare-schedules needs a pipelined config: set "
                                      "mesh.stage > 1 (and pipeline.microbatches).")
     rows = {}
     for entry in schedules:
         schedule, _, mode = entry.partition(":")
         if mode not in ("", "stored", "recompute"):
-            raise config_lib.ConfigError(f"--compare-schedules entry {entry!r}: use a schedule "
+            raise ConfigError(f"--compare-schedules entry {entry!r}: use a schedule "
                                          "name, optionally with :stored or :recompute.")
         recompute = pp.recompute if not mode else mode == "recompute"
         v = (max(pp.virtual_stages, 2) if schedule == "interleaved"
              else 2 if schedule == "zbv" else 1)
-        variant = config_lib.from_dict(config_lib.to_dict(config), [
+        variant = config_from_dict(config_to_dict(config), [
             f"pipeline.schedule={schedule}", f"pipeline.virtual_stages={v}",
             f"pipeline.recompute={str(recompute).lower()}"])
         step_s = bench_jaxtron(variant, jax.devices(), warmup, steps, repeats)["step_s"]
@@ -248,7 +249,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json", action="store_true", help="last line: one JSON object")
     args = parser.parse_args(argv)
     keep_freed_host_memory()  # before JAX starts its threads
-    config = config_lib.load(args.config, args.overrides)
+    config = load_config(args.config, args.overrides)
     report = run(config, args.warmup, args.steps, args.repeats, not args.no_reference)
     if args.compare_fp8:
         report.update(compare_fp8(config, args.warmup, args.steps, args.repeats))

@@ -12,16 +12,17 @@ from __future__ import annotations
 import argparse
 import sys
 
-from jaxtron import config as config_lib
-from jaxtron import hf
+from jaxtron.config.loading import config_from_dict
+from jaxtron.config.schema import Config
+from jaxtron.hf import translate as hf
 from jaxtron.errors import exits_on_user_error
 from jaxtron.export import save_params
 
 
-def convert(hf_dir, out) -> config_lib.Config:
+def convert(hf_dir, out) -> Config:
     hf_config, tensors = hf.load_hf_dir(hf_dir)
     model, moe, params = hf.from_hf(hf_config, tensors)
-    config = config_lib.from_dict({"model": model, "moe": moe})
+    config = config_from_dict({"model": model, "moe": moe})
     save_params(out, config, params)
     return config
 

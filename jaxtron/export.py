@@ -22,27 +22,28 @@ import orbax.checkpoint as ocp
 import yaml
 from flax import nnx
 
-from jaxtron import config as config_lib
-from jaxtron.checkpoint import (CheckpointError, Checkpointer, DamagedCheckpoint,
+from jaxtron.config.loading import config_from_dict, config_to_dict, dump_config
+from jaxtron.config.schema import Config
+from jaxtron.checkpoint.manager import (CheckpointError, Checkpointer, DamagedCheckpoint,
                                 check_compatible, checkpoint_dir)
 from jaxtron.errors import exits_on_user_error
 from jaxtron.kernels import fp8
-from jaxtron.run_dir import cannot_write
+from jaxtron.runtime.run_dir import cannot_write
 
 
-def single_device_config(config: config_lib.Config) -> config_lib.Config:
+def single_device_config(config: Config) -> Config:
     """The same model on one device: every parallel degree 1."""
-    raw = config_lib.to_dict(config)
+    raw = config_to_dict(config)
     raw["mesh"] = {}
     raw["pipeline"] = {}
     raw["optim"]["zero_stage"] = 0
-    return config_lib.from_dict(raw)
+    return config_from_dict(raw)
 
 
 def load_training_params(run_dir: str | Path, step: int | None = None):
     """-> (config, params pure dict on one device) from a run directory's checkpoint: the
     newest one that reads back intact, or `step`."""
-    from jaxtron.trainer import Trainer
+    from jaxtron.training.trainer import Trainer
 
     directory = checkpoint_dir(run_dir)
     checkpoints = Checkpointer(directory, keep=1, read_only=True)
@@ -53,7 +54,7 @@ def load_training_params(run_dir: str | Path, step: int | None = None):
     if step is not None and step not in steps:
         raise CheckpointError(f"--step {step} was never saved in {directory}; choose one of "
                               f"{', '.join(map(str, steps[-10:]))}.")
-    config = single_device_config(config_lib.from_dict(_readable_config(checkpoints, steps,
+    config = single_device_config(config_from_dict(_readable_config(checkpoints, steps,
                                                                         step)))
     trainer = Trainer(config, devices=jax.devices()[:1])
     abstract = trainer.abstract_canonical_state()
@@ -83,7 +84,7 @@ def load_any(path: str | Path, step: int | None = None):
         if step is not None:
             raise CheckpointError(f"{path} is a parameters-only checkpoint with one state; "
                                   "leave out --step, or pass a run directory.")
-        from jaxtron.trainer import Trainer
+        from jaxtron.training.trainer import Trainer
 
         config = single_device_config(exported_config(path))
         params = load_params(path, Trainer(config, devices=jax.devices()[:1]))
@@ -95,12 +96,12 @@ def load_any(path: str | Path, step: int | None = None):
                           "python -m jaxtron.convert (it holds params/ and config.yaml).")
 
 
-def save_params(out: str | Path, config: config_lib.Config, params_pure: dict) -> Path:
+def save_params(out: str | Path, config: Config, params_pure: dict) -> Path:
     out = writable_dir(out)
     checkpointer = ocp.StandardCheckpointer()
     checkpointer.save(out / "params", weights_only(params_pure), force=True)
     checkpointer.wait_until_finished()
-    (out / "config.yaml").write_text(config_lib.dump(config))
+    (out / "config.yaml").write_text(dump_config(config))
     return out
 
 
@@ -114,7 +115,7 @@ def writable_dir(out: str | Path) -> Path:
     return out
 
 
-def exported_config(path: str | Path) -> config_lib.Config:
+def exported_config(path: str | Path) -> Config:
     path = Path(path)
     if not (path / "config.yaml").is_file() or not (path / "params").is_dir():
         raise CheckpointError(f"{path} is not an exported checkpoint (it needs config.yaml and "
@@ -128,13 +129,13 @@ def exported_config(path: str | Path) -> config_lib.Config:
     if not isinstance(raw, dict):
         raise CheckpointError(f"{path / 'config.yaml'} holds no config; export the checkpoint "
                               "again.")
-    return config_lib.from_dict(raw)
+    return config_from_dict(raw)
 
 
 def load_params(path: str | Path, trainer) -> nnx.State:
     """Parameters of an exported checkpoint, placed with `trainer`'s shardings (model layout)."""
     path = Path(path).absolute()
-    check_compatible(config_lib.to_dict(exported_config(path)), trainer.config, path)
+    check_compatible(config_to_dict(exported_config(path)), trainer.config, path)
     params = trainer.abstract_canonical_state().params
     target = nnx.to_pure_dict(params)
     try:
@@ -180,7 +181,7 @@ def main(argv=None) -> int:
     if args.format == "orbax":
         out = save_params(args.out, config, params)
     else:
-        from jaxtron import hf
+        from jaxtron.hf import translate as hf
         hf_config, tensors = hf.to_hf(config, params)
         out = writable_dir(args.out)
         hf.save_hf_dir(out, hf_config, tensors)

@@ -132,7 +132,7 @@ def generate(model, prompt_ids, *, max_new_tokens: int, temperature: float = 0.0
 def _load_model(checkpoint: str, step: int | None):
     """An NNX model on one device from any jaxtron checkpoint (run, export or convert)."""
     from jaxtron.export import load_any
-    from jaxtron.trainer import Trainer
+    from jaxtron.training.trainer import Trainer
 
     config, pure = load_any(checkpoint, step)
     trainer = Trainer(config, devices=jax.devices()[:1])

@@ -8,7 +8,7 @@ Three parts, each its own process with its own time limit (about 4 minutes in al
 1. tests: `pytest -m gpu` (tests/test_gpu.py): the Triton flash kernels and cuDNN against the
    reference at bf16 tolerance, forward and backward, also with a sliding window; bf16 training
    steps against the fp32 step, fp8 steps against bf16; 1F1B on two GPUs where there are two;
-2. kernels: `python -m jaxtron.kernels.bench` at 1k-32k tokens, bf16, causal: TFLOP/s of
+2. kernels: `python -m jaxtron.kernels.speed` at 1k-32k tokens, bf16, causal: TFLOP/s of
    jaxtron's Triton kernel, cuDNN and JAX's own Pallas/Triton attention, with the ratios;
 3. training: `python -m jaxtron.bench` on configs/llama-1b.yaml (1.1B parameters, bf16 by
    `model.dtype: auto`): tokens/s, MFU, HFU, compile time and per-device memory.
@@ -89,7 +89,7 @@ def run_tests(env: dict, workdir: Path) -> dict:
 
 
 def run_kernels(env: dict) -> dict:
-    record, out = _run([sys.executable, "-m", "jaxtron.kernels.bench", "--seq-lens", SEQ_LENS,
+    record, out = _run([sys.executable, "-m", "jaxtron.kernels.speed", "--seq-lens", SEQ_LENS,
                         "--impls", "cudnn,pallas,jax-triton", "--iters", "5", "--repeats", "2",
                         "--json"], LIMITS_S["kernels"], env)
     record["results"] = _last_json(out)

@@ -16,16 +16,16 @@ steps after that checkpoint are computed again and give the same losses. A bad i
 
 With `--launcher "srun --kill-on-bad-exit=1"` (inside a SLURM allocation) the supervisor
 starts that command with the training command as its one child: srun places a process on every
-node, SLURM's variables join them (`jaxtron.distributed`), a failed task ends the step, and
+node, SLURM's variables join them (`jaxtron.runtime.distributed`), a failed task ends the step, and
 the supervisor restarts the step the same way. A node srun names for a failed task
 (`srun: error: <node>: task <n>: ...`) `--drop-after` times in a row is left out of the next
-step (`--exclude`, with `--nodes`/`--ntasks` for the processes left; `jaxtron.slurm_step`),
+step (`--exclude`, with `--nodes`/`--ntasks` for the processes left; `jaxtron.supervisor.slurm_step`),
 under the same rules as a dropped local process below.
 
 With `--min-processes K` a process that caused `--drop-after` failures in a row (a host that
 keeps dying) is dropped: the job restarts on fewer processes, down to K (a divisor of the
 starting count), with the same global batch: a smaller data-parallel degree and more
-accumulated microbatches (`jaxtron.elastic`), so the loss curve goes on as before.
+accumulated microbatches (`jaxtron.supervisor.elastic`), so the loss curve goes on as before.
 `--grow-after-s` later the supervisor stops that job (SIGTERM: every process saves the same
 step) and starts all the processes again from that checkpoint; if the lost one fails again, it
 is dropped again.
@@ -55,14 +55,16 @@ import sys
 import time
 from pathlib import Path
 
-from jaxtron import config as config_lib
-from jaxtron.checkpoint import checkpoint_dir, saved_steps
-from jaxtron.elastic import Devices, shrink_within
+from jaxtron.config.loading import load_config
+from jaxtron.config.schema import Config
+from jaxtron.errors import ConfigError
+from jaxtron.checkpoint.manager import checkpoint_dir, saved_steps
+from jaxtron.supervisor.elastic import Devices, shrink_within
 from jaxtron.errors import JaxtronError, exits_on_user_error
 from jaxtron.planner.hardware import HARDWARE
 from jaxtron.planner.memory import memory_budget_bytes
-from jaxtron.run_dir import last_logged_step, metric_rows
-from jaxtron.slurm_step import FailedNodes, step_options
+from jaxtron.runtime.run_dir import last_logged_step, metric_rows
+from jaxtron.supervisor.slurm_step import FailedNodes, step_options
 
 USER_ERROR = 2  # the status a JaxtronError ends a command with: not worth retrying
 
@@ -96,9 +98,9 @@ class LocalJob:
     launches them on a fresh coordinator port (a restart resumes from the run dir's
     checkpoints whatever `train.resume` the job was given); `shrink(culprit)` drops a lost
     process (or srun node) for good, down to `min_processes`, with the overrides that keep the
-    global batch (`jaxtron.elastic`)."""
+    global batch (`jaxtron.supervisor.elastic`)."""
 
-    def __init__(self, processes: int, train_args: list[str], config: config_lib.Config,
+    def __init__(self, processes: int, train_args: list[str], config: Config,
                  cpu_devices: int | None, heartbeat_timeout_s: int, min_processes: int,
                  launcher: list[str] | None = None, devices: Devices | None = None):
         self.processes, self.train_args, self.config = processes, train_args, config
@@ -294,7 +296,7 @@ def devices_for_shrinking(args) -> Devices | None:
         return None
     per_process = args.devices_per_process or args.cpu_devices
     if not per_process:
-        raise config_lib.ConfigError("--device-memory/--hardware need the devices each "
+        raise ConfigError("--device-memory/--hardware need the devices each "
                                      "training process drives: add --devices-per-process, "
                                      "e.g. 8.")
     hardware = HARDWARE[args.hardware or ("cpu" if args.cpu_devices else "h100")]
@@ -307,7 +309,7 @@ def devices_for_shrinking(args) -> Devices | None:
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--" not in argv:
-        raise config_lib.ConfigError("put the training arguments after `--`: python -m "
+        raise ConfigError("put the training arguments after `--`: python -m "
                                      "jaxtron.launch --processes 2 -- --config configs/tiny.yaml")
     split = argv.index("--")
     parser = argparse.ArgumentParser(prog="python -m jaxtron.launch",
@@ -348,7 +350,7 @@ def main(argv=None) -> int:
     train_parser.add_argument("--config")
     train_parser.add_argument("overrides", nargs="*")
     known, _ = train_parser.parse_known_args(train_args)
-    config = config_lib.load(known.config, known.overrides)  # a bad config: one line, now
+    config = load_config(known.config, known.overrides)  # a bad config: one line, now
     job = LocalJob(args.processes, train_args, config, args.cpu_devices,
                    args.heartbeat_timeout_s, args.min_processes or args.processes,
                    shlex.split(args.launcher) if args.launcher else None,

@@ -20,7 +20,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from jaxtron import config as config_lib
+from jaxtron.config.loading import dump_config, load_config, parse_override
 from jaxtron.errors import ConfigError, exits_on_user_error
 from jaxtron.planner.hardware import HARDWARE
 from jaxtron.planner.layout import Layout, apply
@@ -36,7 +36,7 @@ def parse_layout(text: str, devices: int) -> dict:
     are 1 except mesh.data, which takes the devices left over."""
     fields = {}
     for item in text.replace(",", " ").split():
-        key, value = config_lib.parse_override(item)
+        key, value = parse_override(item)
         if key not in LAYOUT_KEYS:
             raise ConfigError(f"--compare key {key} is not a layout field; use "
                               f"{', '.join(LAYOUT_KEYS)}.")
@@ -91,7 +91,7 @@ def main(argv=None) -> int:
     parser.add_argument("--compare", help="a given layout to rank, e.g. 'mesh.tensor=8 "
                         "mesh.stage=16 pipeline.microbatches=128'")
     args = parser.parse_args(argv)
-    config = config_lib.load(args.config, args.overrides)
+    config = load_config(args.config, args.overrides)
     if args.devices < 1:
         raise ConfigError(f"--devices {args.devices} must be a positive device count.")
     hardware = HARDWARE[args.hardware]
@@ -127,7 +127,7 @@ def main(argv=None) -> int:
     if args.apply:
         planned = apply(config, best[0].layout)
         Path(args.apply).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.apply).write_text(config_lib.dump(planned))
+        Path(args.apply).write_text(dump_config(planned))
         print(f"wrote {args.apply}: python -m jaxtron.train --config {args.apply}")
     return 0
 

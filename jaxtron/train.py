@@ -24,21 +24,23 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jaxtron import config as config_lib
-from jaxtron.host_memory import keep_freed_host_memory
-from jaxtron import distributed
-from jaxtron.dry_run import dry_run
-from jaxtron.checkpoint_cadence import AutoCadence
-from jaxtron.fits import check_fits
+from jaxtron.config.checks import config_warnings
+from jaxtron.config.loading import dump_config, format_field_reference, load_config
+from jaxtron.config.schema import Config
+from jaxtron.runtime.host_memory import keep_freed_host_memory
+from jaxtron.runtime import distributed
+from jaxtron.training.dry_run import dry_run
+from jaxtron.checkpoint.cadence import AutoCadence
+from jaxtron.training.fits import check_fits
 from jaxtron.kernels import fp8
-from jaxtron.loop import LoopPolicy
-from jaxtron.metrics_log import MetricsLog, Reporter
+from jaxtron.training.loop_policy import LoopPolicy
+from jaxtron.runtime.metrics import MetricsLog, Reporter
 from jaxtron.errors import ConfigError, JaxtronError, exit_command, exits_on_user_error
-from jaxtron.platforms import PLATFORMS, simulate_cpu_devices
-from jaxtron.preemption import PreemptionGuard
-from jaxtron.profiling import StepProfiler, plot_loss_curve
-from jaxtron.run_dir import RunDirError, clear_previous_run, locked, previous_run
-from jaxtron.flops import peak_flops, training_flops_per_token
+from jaxtron.config.platforms import PLATFORMS, simulate_cpu_devices
+from jaxtron.runtime.preemption import PreemptionGuard
+from jaxtron.runtime.profiling import StepProfiler, plot_loss_curve
+from jaxtron.runtime.run_dir import RunDirError, clear_previous_run, locked, previous_run
+from jaxtron.training.flops import peak_flops, training_flops_per_token
 from jaxtron.sharding.mesh import describe_mesh
 
 
@@ -52,7 +54,7 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Config fields (key, type, default, meaning); set any in the YAML file or as an "
                "override\nsection.key=value, e.g. train.steps=50 model.num_layers=4:\n\n"
-               + config_lib.format_field_reference())
+               + format_field_reference())
     parser.add_argument("--config", help="YAML config file, e.g. configs/tiny.yaml")
     parser.add_argument("--print-config", action="store_true",
                         help="print the resolved config and exit")
@@ -71,7 +73,7 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def run(config: config_lib.Config) -> dict:
+def run(config: Config) -> dict:
     """Train `config` to the end (or to a preemption signal); return the final summary."""
     run_dir = Path(config.train.run_dir)
     with contextlib.ExitStack() as held:
@@ -95,10 +97,10 @@ def run(config: config_lib.Config) -> dict:
         return _run(config, run_dir)
 
 
-def _run(c: config_lib.Config, run_dir: Path) -> dict:
-    from jaxtron.checkpoint import Checkpointer, checkpoint_dir
+def _run(c: Config, run_dir: Path) -> dict:
+    from jaxtron.checkpoint.manager import Checkpointer, checkpoint_dir
     from jaxtron.data.pipeline import eval_batches, open_sources, train_batches
-    from jaxtron.trainer import Trainer
+    from jaxtron.training.trainer import Trainer
 
     is_main = jax.process_index() == 0
     sources = open_sources(c)
@@ -108,7 +110,7 @@ def _run(c: config_lib.Config, run_dir: Path) -> dict:
     batches = train_batches(c, sources, rows)
     held_out = eval_batches(c, sources, rows)
     if is_main:
-        (run_dir / "config.yaml").write_text(config_lib.dump(c))
+        (run_dir / "config.yaml").write_text(dump_config(c))
     checkpoints = Checkpointer(checkpoint_dir(run_dir), c.checkpoint.keep)
     state, resumed_from = _initial_state(trainer, checkpoints, batches)
     start = int(jax.device_get(state.step))
@@ -255,11 +257,11 @@ def _finishing(checkpoints, profiler, log):
     checkpoints.check()
 
 
-def _settle_previous_run(c: config_lib.Config, run_dir: Path) -> None:
+def _settle_previous_run(c: Config, run_dir: Path) -> None:
     """train.resume=never/archive/overwrite against what a previous run left here. Process 0
     alone runs this, so it reads the folder without Orbax (whose manager synchronises every
     process when created)."""
-    from jaxtron.checkpoint import checkpoint_dir, saved_steps
+    from jaxtron.checkpoint.manager import checkpoint_dir, saved_steps
 
     if c.train.resume == "auto":
         return
@@ -297,7 +299,7 @@ class NonFiniteWatch:
     lives in the checkpoint, so it is compared with the last value seen, not with zero: a run
     resumed from a checkpoint with earlier skips (under on_nan=skip) is not stopped for them."""
 
-    def __init__(self, config: config_lib.Config, checkpoints, state):
+    def __init__(self, config: Config, checkpoints, state):
         import optax
 
         self.config, self.checkpoints = config, checkpoints
@@ -326,15 +328,15 @@ class NonFiniteWatch:
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     keep_freed_host_memory()  # before JAX starts its threads
-    config = config_lib.load(args.config, args.overrides)
+    config = load_config(args.config, args.overrides)
     if args.print_config:
-        print(config_lib.dump(config), end="")
+        print(dump_config(config), end="")
         return 0
     if (args.target or args.devices) and not args.dry_run:
         raise ConfigError("--target and --devices only apply to a check; add --dry-run.")
     if args.devices:
         simulate_cpu_devices(args.devices)
-    for warning in config_lib.warnings(config):
+    for warning in config_warnings(config):
         print(f"warning: {warning}", file=sys.stderr, flush=True)
     launch = distributed.initialize(config)
     with distributed.exits_when_a_peer_fails(launch):

@@ -23,7 +23,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-from jaxtron import config as config_lib  # noqa: E402
+from jaxtron.config.loading import config_from_dict
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -105,14 +105,14 @@ def make_config(overrides: dict | None = None, model: dict | None = None, **sect
            "optim": {"warmup_steps": 2}}
     for section, values in sections.items():
         raw.setdefault(section, {}).update(values)
-    return config_lib.from_dict(raw, [f"{k}={v}" for k, v in (overrides or {}).items()])
+    return config_from_dict(raw, [f"{k}={v}" for k, v in (overrides or {}).items()])
 
 
 def first_batch_objective_metrics_grads(config, devices: int):
     """(objective, metrics, gradients in the model layout) of the config's first training
     batch on the first `devices` devices: what layout-equivalence tests compare."""
     from jaxtron.data.pipeline import open_dataset, train_batches
-    from jaxtron.trainer import Trainer
+    from jaxtron.training.trainer import Trainer
 
     trainer = Trainer(config, devices=jax.devices()[:devices])
     state = trainer.init_state()

@@ -1,4 +1,4 @@
-"""Benchmarks: the attention kernels (`jaxtron.kernels.bench`) and the training step (`jaxtron.bench`)."""
+"""Benchmarks: the attention kernels (`jaxtron.kernels.speed`) and the training step (`jaxtron.bench`)."""
 
 import json
 import os
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from jaxtron.kernels.bench import MODES, attention_flops
+from jaxtron.kernels.speed import MODES, attention_flops
 
 
 def test_flop_count_follows_the_flashattention_convention():
@@ -20,7 +20,7 @@ def test_flop_count_follows_the_flashattention_convention():
 def test_cpu_smoke_run_prints_a_table_and_a_json_line():
     # Tiny shapes: Pallas runs in interpret mode on CPU, one grid step at a time. The timeout
     # turns a hang into a failure rather than a stuck suite.
-    command = [sys.executable, "-m", "jaxtron.kernels.bench", "--seq-lens", "128,256",
+    command = [sys.executable, "-m", "jaxtron.kernels.speed", "--seq-lens", "128,256",
                "--impls", "xla,cudnn,pallas", "--heads", "2", "--kv-heads", "1",
                "--head-dim", "32", "--warmup", "1", "--iters", "1", "--repeats", "1", "--json"]
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
@@ -37,8 +37,8 @@ def test_cpu_smoke_run_prints_a_table_and_a_json_line():
 
 def test_training_benchmark_reports_every_field_from_the_shared_flops_formula():
     from jaxtron import bench
-    from jaxtron.config import load
-    from jaxtron.flops import hardware_flops_per_token, training_flops_per_token
+    from jaxtron.config.loading import load_config
+    from jaxtron.training.flops import hardware_flops_per_token, training_flops_per_token
 
     overrides = ["model.num_layers=2", "model.d_model=64", "model.mlp_dim=128",
                  "data.seq_len=32", "train.batch_size=8", "model.remat=full"]
@@ -67,8 +67,8 @@ def test_plain_reference_model_gives_jaxtrons_loss_with_the_same_weights():
     from flax import nnx
 
     from jaxtron import bench, plain_llama
-    from jaxtron.config import load
-    from jaxtron.trainer import Trainer
+    from jaxtron.config.loading import load_config
+    from jaxtron.training.trainer import Trainer
 
     config = load("configs/tiny.yaml", ["model.num_layers=2", "model.d_model=64",
                                         "model.mlp_dim=128", "data.seq_len=32",
@@ -109,8 +109,9 @@ def test_gpu_check_records_every_gpu_test_and_passes_when_they_skip(tmp_path):
 
 def test_schedules_are_timed_side_by_side_with_their_tables_bubbles():
     from jaxtron import bench
-    from jaxtron.config import ConfigError, load
-    from jaxtron.pipeline.schedule import build_table
+    from jaxtron.errors import ConfigError
+    from jaxtron.config.loading import load_config
+    from jaxtron.pipeline.schedules import build_table
 
     config = load("configs/tiny.yaml", ["mesh.stage=2", "mesh.data=4", "pipeline.microbatches=2",
                                         "train.batch_size=8", "data.seq_len=32",

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from jaxtron import config as config_lib
+from jaxtron.config.loading import config_from_dict, config_to_dict
 from jaxtron.data.indexed import write_indexed
 from jaxtron.data.pipeline import eval_batches, open_sources, train_batches
 from jaxtron.errors import ConfigError, DataError
@@ -50,7 +50,7 @@ def test_each_source_gets_its_share_and_the_stream_is_the_seeds(two_sources):
     again, _ = rows_from_a(train_batches(config, sources), 250)
     np.testing.assert_array_equal(rows, again)
     other = blend_config(*two_sources)
-    other = config_lib.from_dict(config_lib.to_dict(other), ["train.seed=1"])
+    other = config_from_dict(config_to_dict(other), ["train.seed=1"])
     shuffled, _ = rows_from_a(train_batches(other, open_sources(other)), 250)
     assert not np.array_equal(rows, shuffled)
 

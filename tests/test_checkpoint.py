@@ -10,11 +10,11 @@ import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
-from jaxtron import config as config_lib
-from jaxtron.checkpoint import CheckpointError, Checkpointer, checkpoint_dir
+from jaxtron.config.loading import config_from_dict
+from jaxtron.checkpoint.manager import CheckpointError, Checkpointer, checkpoint_dir
 from jaxtron.export import load_params, save_params
-from jaxtron.fingerprint import fingerprints
-from jaxtron.trainer import Trainer
+from jaxtron.checkpoint.fingerprint import fingerprints
+from jaxtron.training.trainer import Trainer
 
 from conftest import losses_by_step, make_config, metric_records
 
@@ -212,7 +212,7 @@ def test_non_finite_loss_policy(tmp_path, policy):
     checkpoints = Checkpointer(checkpoint_dir(tmp_path), keep=3)
     latest = checkpoints.latest_step()
     if latest is not None:  # every checkpoint that exists holds finite parameters
-        config = config_lib.from_dict(checkpoints.saved_config(latest))
+        config = config_from_dict(checkpoints.saved_config(latest))
         trainer = Trainer(config)
         state, _ = checkpoints.restore(latest, trainer.abstract_canonical_state(), config)
         assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state.params))

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from jaxtron.checkpoint import saved_steps
-from jaxtron.checkpoint_cadence import MEASURE_AT, young_interval_steps
+from jaxtron.checkpoint.manager import saved_steps
+from jaxtron.checkpoint.cadence import MEASURE_AT, young_interval_steps
 from jaxtron.errors import ConfigError
 
 from conftest import make_config

@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxtron import config as config_lib
+from jaxtron.config.loading import dump_config
 from jaxtron import train
-from jaxtron.checkpoint import Checkpointer, checkpoint_dir
+from jaxtron.checkpoint.manager import Checkpointer, checkpoint_dir
 from jaxtron.data.pipeline import open_dataset
-from jaxtron.fingerprint import fingerprints
+from jaxtron.checkpoint.fingerprint import fingerprints
 
 from conftest import make_config, metric_records
 
@@ -91,7 +91,7 @@ def test_when_no_checkpoint_reads_back_the_run_stops_with_one_line(tmp_path, cap
     train.run(config)
     flip_a_byte(tmp_path / "checkpoints" / "2")
     capsys.readouterr()
-    (tmp_path / "config.yaml").write_text(config_lib.dump(config))
+    (tmp_path / "config.yaml").write_text(dump_config(config))
     assert train.main(["--config", str(tmp_path / "config.yaml"), "train.steps=4"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error: none of the 1 checkpoints") and "train.resume=archive" \
@@ -154,7 +154,7 @@ def test_a_write_failing_in_the_background_stops_the_run_at_the_next_step(tmp_pa
 def test_other_optimizer_settings_are_named_not_taken_for_damage(tmp_path, capsys):
     config = config_for(tmp_path, 2)
     train.run(config)
-    (tmp_path / "config.yaml").write_text(config_lib.dump(config))
+    (tmp_path / "config.yaml").write_text(dump_config(config))
     capsys.readouterr()
     # No clipping drops a stage of the optimizer chain: a different train state.
     assert train.main(["--config", str(tmp_path / "config.yaml"), "train.steps=4",

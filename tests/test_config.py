@@ -3,7 +3,8 @@ import sys
 
 import pytest
 
-from jaxtron import config as config_lib
+from jaxtron.config.loading import config_from_dict, config_to_dict, dump_config, field_reference, load_config
+from jaxtron.config.schema import Config
 from jaxtron.errors import ConfigError
 
 from conftest import make_config
@@ -12,7 +13,7 @@ from conftest import make_config
 def test_yaml_and_dotted_overrides(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("model:\n  num_layers: 3\ntrain:\n  steps: 7\n")
-    c = config_lib.load(path, ["train.steps=50", "model.d_model=96", "optim.lr=1e-3",
+    c = load_config(path, ["train.steps=50", "model.d_model=96", "optim.lr=1e-3",
                                "model.num_kv_heads=null", "model.dtype=bfloat16"])
     assert c.model.num_layers == 3 and c.train.steps == 50 and c.model.d_model == 96
     assert c.optim.lr == 1e-3 and c.model.kv_heads == c.model.num_heads
@@ -33,7 +34,7 @@ def test_published_shapes_have_the_published_parameter_counts(name, billions):
 
     from jaxtron.models import Transformer
 
-    c = config_lib.load(f"configs/{name}.yaml")
+    c = load_config(f"configs/{name}.yaml")
     model = nnx.eval_shape(lambda: Transformer(c.model, rngs=nnx.Rngs(0), moe=c.moe))
     count = sum(math.prod(a.shape) for a in jax.tree.leaves(nnx.state(model, nnx.Param)))
     assert count / 1e9 == pytest.approx(billions, abs=0.01)
@@ -42,16 +43,16 @@ def test_published_shapes_have_the_published_parameter_counts(name, billions):
 def test_dump_round_trips(tmp_path):
     c = make_config()
     path = tmp_path / "resolved.yaml"
-    path.write_text(config_lib.dump(c))
-    assert config_lib.load(path) == c
+    path.write_text(dump_config(c))
+    assert load_config(path) == c
 
 
 def test_shipped_configs_load():
     import pathlib
     for path in sorted(pathlib.Path("configs").glob("*.yaml")):
-        c = config_lib.load(path)
+        c = load_config(path)
         assert c.model.num_layers > 0, path
-    big = config_lib.load("configs/llama3-70b.yaml")
+    big = load_config("configs/llama3-70b.yaml")
     assert (big.model.num_layers, big.model.d_model, big.model.kv_heads) == (80, 8192, 8)
 
 
@@ -83,7 +84,7 @@ def test_shipped_configs_load():
 ])
 def test_bad_fields_name_the_field_and_fix(overrides, fragment):
     with pytest.raises(ConfigError) as err:
-        config_lib.from_dict({}, overrides)
+        config_from_dict({}, overrides)
     assert fragment in str(err.value)
 
 
@@ -108,12 +109,12 @@ def test_help_lists_every_config_field_with_type_default_and_meaning():
     result = subprocess.run([sys.executable, "-m", "jaxtron.train", "--help"],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0
-    rows = config_lib.field_reference()
+    rows = field_reference()
     keys = {key for key, *_ in rows}
     assert {"model.d_model", "mesh.tensor", "distributed.process_id", "train.profile_steps",
             "checkpoint.every"} <= keys
-    leaves = {f"{section}.{name}" for section, fields in config_lib.to_dict(
-        config_lib.Config()).items() for name in fields}
+    leaves = {f"{section}.{name}" for section, fields in config_to_dict(
+        Config()).items() for name in fields}
     assert keys == leaves  # one line for every field of the dataclass tree, nothing else
     for key, type_name, default, meaning in rows:
         line = next(x for x in result.stdout.splitlines() if x.split()[:1] == [key])

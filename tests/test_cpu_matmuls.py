@@ -6,9 +6,9 @@ import pytest
 from conftest import make_config
 
 from jaxtron import bench
-from jaxtron.cpu_matmuls import ENV, compiler_options, onednn_available
-from jaxtron.distributed import LaunchError
-from jaxtron.trainer import Trainer
+from jaxtron.runtime.cpu_matmuls import ENV, compiler_options, onednn_available
+from jaxtron.runtime.distributed import LaunchError
+from jaxtron.training.trainer import Trainer
 
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="oneDNN is used on Linux x86-64")
 

@@ -8,7 +8,7 @@ import numpy as np
 from flax import nnx
 
 from jaxtron.export import exported_config, load_params, load_training_params
-from jaxtron.trainer import Trainer
+from jaxtron.training.trainer import Trainer
 
 from test_checkpoint import train_cmd
 

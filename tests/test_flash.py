@@ -15,7 +15,7 @@ from jaxtron.kernels.flash_backward import Tiling, k_block_end, q_block_start
 from jaxtron.kernels.reference import reference_attention
 from jaxtron.sharding.mesh import build_mesh
 from jaxtron.sharding.rules import activation_rules, activation_sharding
-from jaxtron.trainer import Trainer
+from jaxtron.training.trainer import Trainer
 
 from conftest import make_config
 from test_kernels import naive_attention

@@ -1,4 +1,4 @@
-from jaxtron.flops import matmul_params, training_flops_per_token
+from jaxtron.training.flops import matmul_params, training_flops_per_token
 
 from conftest import make_config
 
@@ -19,14 +19,14 @@ def test_flops_per_token_matches_a_hand_count():
 
 
 def test_gpt2_small_parameter_count_is_the_published_one():
-    from jaxtron import config as config_lib
-    m = config_lib.load("configs/gpt2-124m.yaml").model
+    from jaxtron.config.loading import load_config
+    m = load_config("configs/gpt2-124m.yaml").model
     # 85M non-embedding matmul weights (12 * 12 * 768^2) plus the tied 768 x 50304 head.
     assert matmul_params(m) == 12 * 12 * 768 * 768 + 768 * 50304
 
 
 def test_recompute_adds_the_forward_matmuls_each_policy_repeats():
-    from jaxtron.flops import hardware_flops_per_token
+    from jaxtron.training.flops import hardware_flops_per_token
 
     base = make_config()
     model = training_flops_per_token(base.model, 32)

@@ -11,12 +11,12 @@ import pytest
 
 from flax import nnx
 
-from jaxtron import config as config_lib
-from jaxtron.checkpoint import CheckpointError, Checkpointer
+from jaxtron.config.loading import config_from_dict, config_to_dict
+from jaxtron.checkpoint.manager import CheckpointError, Checkpointer
 from jaxtron.export import load_params, save_params
 from jaxtron.kernels.fp8 import (E4M3, E5M2, fp8_delayed_einsum, fp8_einsum,
                                   fp8_grouped_matmul)
-from jaxtron.trainer import Trainer
+from jaxtron.training.trainer import Trainer
 
 from conftest import make_config
 
@@ -171,7 +171,7 @@ def test_delayed_scaling_history_round_trips_a_checkpoint_bitwise(tmp_path):
     np.testing.assert_array_equal(trainer.step(restored, batch)[1]["loss"],
                                   trainer.step(state, batch)[1]["loss"])
     # Resuming in another mode would drop or invent the histories: refused by name.
-    other = config_lib.from_dict(config_lib.to_dict(trainer.config), ["model.fp8=tensorwise"])
+    other = config_from_dict(config_to_dict(trainer.config), ["model.fp8=tensorwise"])
     with pytest.raises(CheckpointError, match="model.fp8=delayed"):
         checkpoints.restore(2, Trainer(other, devices=jax.devices()[:1]).abstract_canonical_state(),
                             other)

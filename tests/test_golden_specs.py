@@ -9,8 +9,8 @@ from pathlib import Path
 
 from flax import nnx
 
-from jaxtron import config as config_lib
-from jaxtron.trainer import Trainer
+from jaxtron.config.loading import load_config
+from jaxtron.training.trainer import Trainer
 
 GOLDEN = Path(__file__).parent / "golden" / "tiny_partition_specs.json"
 LAYOUTS = {
@@ -20,7 +20,7 @@ LAYOUTS = {
 
 
 def specs(overrides):
-    trainer = Trainer(config_lib.load("configs/tiny.yaml", overrides))
+    trainer = Trainer(load_config("configs/tiny.yaml", overrides))
     state = trainer.abstract_state()
 
     def table(tree):

@@ -14,8 +14,8 @@ from flax import nnx
 from jaxtron.data.pipeline import open_dataset, train_batches
 from jaxtron.kernels import attention
 from jaxtron.kernels.reference import reference_attention
-from jaxtron.platforms import local_platform
-from jaxtron.trainer import Trainer
+from jaxtron.config.platforms import local_platform
+from jaxtron.training.trainer import Trainer
 
 from conftest import make_config
 from test_flash import check, inputs, output_and_grads, packed

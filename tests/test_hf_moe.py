@@ -12,8 +12,8 @@ import pytest
 from flax import nnx
 
 from jaxtron.errors import ConfigError
-from jaxtron.hf import from_hf, load_hf_dir, save_hf_dir, to_hf
-from jaxtron.trainer import Trainer
+from jaxtron.hf.translate import from_hf, load_hf_dir, save_hf_dir, to_hf
+from jaxtron.training.trainer import Trainer
 
 from conftest import make_config
 from hf_rope_reference import hf_rope_tables

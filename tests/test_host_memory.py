@@ -6,16 +6,15 @@ import sys
 
 import pytest
 
-from jaxtron import host_memory
-
+from jaxtron.runtime import host_memory
 # A step whose temporary, a [3072, 3072] fp32 matrix (36 MiB), is allocated by XLA's worker
 # threads. It is larger than glibc's largest dynamic mmap threshold (32 MiB on 64-bit), so
 # without the tuning it is mapped afresh every step whatever malloc's history; a smaller one
 # may or may not be, and the baseline would be flaky.
 REPEATED_STEPS = """
 import resource, sys
-import jaxtron, jaxtron.train, jaxtron.trainer  # importing alone must change nothing
-from jaxtron.host_memory import keep_freed_host_memory
+import jaxtron, jaxtron.train, jaxtron.training.trainer  # importing alone must change nothing
+from jaxtron.runtime.host_memory import keep_freed_host_memory
 kept = keep_freed_host_memory() if sys.argv[1] == "tune" else False  # as the CLI entry points
 import jax, jax.numpy as jnp
 

@@ -12,9 +12,9 @@ import time
 import numpy as np
 import pytest
 
-from jaxtron.checkpoint import saved_steps
+from jaxtron.checkpoint.manager import saved_steps
 from jaxtron.launch import LaunchFailed, productive_seconds, supervise
-from jaxtron.run_dir import last_logged_step
+from jaxtron.runtime.run_dir import last_logged_step
 
 from conftest import FAST_COMPILE_FLAGS, losses_by_step
 from test_multihost import BASE, train
@@ -152,11 +152,11 @@ def test_a_process_that_keeps_failing_is_dropped_then_grown_back_at_the_same_bat
 
 
 def test_shrinking_keeps_the_global_batch_or_names_what_cannot_shrink():
-    from jaxtron import config as config_lib
-    from jaxtron.elastic import CannotShrink, fewer_processes
+    from jaxtron.config.loading import config_from_dict, config_to_dict, load_config
+    from jaxtron.supervisor.elastic import CannotShrink, fewer_processes
 
     def config(*overrides):
-        return config_lib.load("configs/tiny.yaml", ["train.batch_size=24", *overrides])
+        return load_config("configs/tiny.yaml", ["train.batch_size=24", *overrides])
 
     assert fewer_processes(config("mesh.data=-1"), 4, 2) == ["optim.grad_accum=2"]
     assert fewer_processes(config("mesh.data=4", "optim.grad_accum=3"), 4, 1) == [
@@ -171,18 +171,18 @@ def test_a_shrunk_job_that_would_not_fit_takes_the_planners_fitting_layout():
     """ZeRO-1 on 2 x 4 devices shrunk to 1 x 4: the smallest change (data 8 -> 4) doubles each
     device's optimizer and gradient shards past a 23 MB budget, so the planner's fastest layout
     that fits is taken; same global batch, accumulated to the same rows per device."""
-    from jaxtron import config as config_lib
-    from jaxtron.elastic import CannotShrink, Devices, fewer_processes, shrink_within
+    from jaxtron.config.loading import config_from_dict, config_to_dict, load_config
+    from jaxtron.supervisor.elastic import CannotShrink, Devices, fewer_processes, shrink_within
     from jaxtron.planner.hardware import HARDWARE
     from jaxtron.planner.layout import layout_of
     from jaxtron.planner.memory import predict
     from jaxtron.sharding.mesh import resolve_degrees
 
-    config = config_lib.load("configs/tiny.yaml", ["mesh.data=8", "train.batch_size=16",
+    config = load_config("configs/tiny.yaml", ["mesh.data=8", "train.batch_size=16",
                                                    "optim.zero_stage=1"])
 
     def memory(overrides):
-        shrunk = config_lib.from_dict(config_lib.to_dict(config), overrides)
+        shrunk = config_from_dict(config_to_dict(config), overrides)
         return predict(shrunk, layout_of(shrunk, resolve_degrees(shrunk.mesh, 4))).total, shrunk
 
     budget = 23_000_000
@@ -258,7 +258,7 @@ def test_memory_for_shrinking_needs_the_devices_per_process(capsys):
 
 
 def test_srun_error_lines_name_the_failed_node():
-    from jaxtron.slurm_step import failed_node, step_options
+    from jaxtron.supervisor.slurm_step import failed_node, step_options
 
     assert failed_node("srun: error: node12: task 3: Killed") == "node12"
     assert failed_node("srun: error: gpu-a-01: tasks 0-3: Exited with exit code 1") == "gpu-a-01"

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from jaxtron import train
-from jaxtron.checkpoint import Checkpointer, checkpoint_dir
-from jaxtron.loop import LoopPolicy
+from jaxtron.checkpoint.manager import Checkpointer, checkpoint_dir
+from jaxtron.training.loop_policy import LoopPolicy
 
 from conftest import make_config, metric_records
 
@@ -89,7 +89,7 @@ def test_a_bad_step_is_never_saved_even_when_it_is_not_logged(tmp_path):
     saved = Checkpointer(checkpoint_dir(tmp_path), 100, read_only=True).manager.all_steps()
     assert saved and max(saved) < 8  # stopped early, at the first bad step
     # Every saved step restores finite parameters.
-    from jaxtron.trainer import Trainer
+    from jaxtron.training.trainer import Trainer
     trainer = Trainer(config)
     for step in saved:
         state, _ = Checkpointer(checkpoint_dir(tmp_path), 100, read_only=True).restore(

@@ -14,7 +14,7 @@ import pytest
 from jaxtron.kernels.attention import Kernel, attention, configured_kernel
 from jaxtron.kernels.flash import flash_attention
 from jaxtron.kernels.reference import reference_attention
-from jaxtron.trainer import Trainer
+from jaxtron.training.trainer import Trainer
 
 from conftest import make_config
 
@@ -172,7 +172,7 @@ def test_defaults_resolve_to_a_combination_that_lowers(platform, dtype, kernel):
 
 
 def test_jax_triton_reference_kernel_of_the_benchmark_lowers_for_cuda():
-    from jaxtron.kernels.bench import jax_triton_attention
+    from jaxtron.kernels.speed import jax_triton_attention
 
     grads = forward_and_backward(lambda q, k, v, causal, segment_ids: jax_triton_attention(
         q, k, v, causal=causal), True, False)

@@ -10,16 +10,16 @@ from flax import nnx
 
 from jaxtron.data.pipeline import open_dataset, train_batches
 from jaxtron.errors import ConfigError
-from jaxtron.flops import matmul_params, training_flops_per_token
+from jaxtron.training.flops import matmul_params, training_flops_per_token
 from jaxtron.generate import decode_step, generate, prefill
 from jaxtron.kernels.attention import attention
 from jaxtron.kernels.blockwise import blockwise_causal_attention
 from jaxtron.kernels.reference import reference_attention
 from jaxtron.models import Transformer
 from jaxtron.models.mla import MLAttention
-from jaxtron.models.token_layout import TokenLayout
-from jaxtron.platforms import building_for
-from jaxtron.trainer import Trainer
+from jaxtron.models.token_positions import TokenPositions
+from jaxtron.config.platforms import building_for
+from jaxtron.training.trainer import Trainer
 
 from conftest import make_config
 
@@ -77,7 +77,7 @@ def test_layer_matches_numpy_from_the_equations(q_lora):
     # Row 0 plain; row 1 packed: documents of 7 and 13 tokens, positions restarting.
     positions = np.stack([np.arange(20), np.r_[np.arange(7), np.arange(13)]])
     segments = np.stack([np.zeros(20, int), np.r_[np.zeros(7, int), np.ones(13, int)]])
-    layout = TokenLayout(positions=jnp.asarray(positions), segment_ids=jnp.asarray(segments))
+    layout = TokenPositions(positions=jnp.asarray(positions), segment_ids=jnp.asarray(segments))
     got = jax.jit(lambda m, x: m(x, layout))(layer, x)
     for b in range(2):
         want = np_mla(params, np.asarray(x[b], np.float64), positions[b], segments[b],
@@ -184,11 +184,11 @@ def test_packed_row_equals_its_documents_run_alone():
     apply = jax.jit(lambda m, t, layout: m(t, layout))
     docs = [jax.random.randint(jax.random.key(i), (1, n), 0, 256) for i, n in ((2, 9), (3, 15))]
     row = jnp.concatenate(docs, axis=1)
-    layout = TokenLayout(positions=jnp.concatenate([jnp.arange(9), jnp.arange(15)])[None],
+    layout = TokenPositions(positions=jnp.concatenate([jnp.arange(9), jnp.arange(15)])[None],
                          segment_ids=jnp.repeat(jnp.arange(2), jnp.array([9, 15]),
                                                 total_repeat_length=24)[None])
     packed = apply(model, row, layout)
-    alone = jnp.concatenate([apply(model, d, TokenLayout()) for d in docs], axis=1)
+    alone = jnp.concatenate([apply(model, d, TokenPositions()) for d in docs], axis=1)
     assert bool(jnp.all(jnp.isfinite(packed)))
     np.testing.assert_allclose(packed, alone, rtol=1e-5, atol=1e-5)
 

@@ -118,8 +118,7 @@ def test_hand_written_activation_derivatives_equal_jaxs(name):
     what they keep for the backward: only their inputs."""
     from jax._src.ad_checkpoint import saved_residuals
 
-    from jaxtron.models import activations
-
+    from jaxtron.kernels import activations
     plain = {"swiglu": lambda g, u: jax.nn.silu(g) * u,
              "gelu_tanh": lambda g, u: jax.nn.gelu(g, approximate=True) * u}[name]
     ours = {"swiglu": activations.swiglu,

@@ -10,13 +10,13 @@ import pytest
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxtron import config as config_lib
+from jaxtron.config.loading import config_from_dict, load_config
 from jaxtron.data.pipeline import open_dataset, train_batches
 from jaxtron.errors import ConfigError
-from jaxtron.flops import matmul_params
+from jaxtron.training.flops import matmul_params
 from jaxtron.models.moe import (MoE, capacity, capacity_slots, load_balancing_loss, route,
                                 top_k)
-from jaxtron.trainer import Trainer
+from jaxtron.training.trainer import Trainer
 
 from conftest import long_run_env, make_config, metric_records
 
@@ -160,7 +160,7 @@ def test_dropless_data_parallel_matches_single_device(layout):
 
 
 def step_flops(overrides, devices):
-    config = config_lib.load("configs/tiny.yaml", [
+    config = load_config("configs/tiny.yaml", [
         "model.num_layers=2", "model.d_model=64", "model.mlp_dim=128", "moe.num_experts=4",
         "moe.top_k=2", "moe.mode=dropless", "data.seq_len=32", "train.batch_size=16",
         "data.builtin_max_bytes=400000", *overrides])
@@ -229,12 +229,12 @@ def test_moe_active_parameter_count():
 ])
 def test_bad_moe_settings_are_explained(overrides, fragment):
     with pytest.raises(ConfigError) as err:
-        config_lib.from_dict({}, overrides)
+        config_from_dict({}, overrides)
     assert fragment in str(err.value)
 
 
 def test_moe_tiny_trains_with_expert_parallelism(tmp_path):
-    assert config_lib.load("configs/mixtral-8x7b.yaml").moe.num_experts == 8
+    assert load_config("configs/mixtral-8x7b.yaml").moe.num_experts == 8
     result = subprocess.run(
         [sys.executable, "-m", "jaxtron.train", "--config", "configs/moe-tiny.yaml",
          "train.steps=30", "train.log_every=10", "train.eval_every=30", "train.batch_size=8",

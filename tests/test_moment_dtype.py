@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxtron.optim import moments_stored_as
-from jaxtron.trainer import Trainer
+from jaxtron.training.optimizers import moments_stored_as
+from jaxtron.training.trainer import Trainer
 
 from conftest import make_config
 

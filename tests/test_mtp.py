@@ -8,8 +8,8 @@ from flax import nnx
 
 from jaxtron.errors import ConfigError
 from jaxtron.models import Transformer
-from jaxtron.models.token_layout import PLAIN
-from jaxtron.trainer import Trainer
+from jaxtron.models.token_positions import PLAIN
+from jaxtron.training.trainer import Trainer
 
 from conftest import first_batch_objective_metrics_grads, make_config
 

@@ -6,8 +6,8 @@ import pytest
 from flax import nnx
 
 from jaxtron import train
-from jaxtron.optim import decay_mask, learning_rate
-from jaxtron.trainer import Trainer
+from jaxtron.training.optimizers import decay_mask, learning_rate
+from jaxtron.training.trainer import Trainer
 
 from conftest import make_config, metric_records
 
@@ -37,8 +37,8 @@ def test_warmup_longer_than_the_run_is_kept_and_warned_about(capsys):
     config = make_config({"train.steps": 10, "optim.warmup_steps": 20})
     schedule = learning_rate(config)
     assert float(schedule(5)) == pytest.approx(config.optim.lr * 5 / 20)  # not shortened
-    from jaxtron import config as config_lib
-    (warning,) = config_lib.warnings(config)
+    from jaxtron.config.checks import config_warnings
+    (warning,) = config_warnings(config)
     assert "optim.warmup_steps=20 exceeds train.steps=10" in warning and "50%" in warning
 
 

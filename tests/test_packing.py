@@ -12,7 +12,7 @@ from flax import nnx
 
 from jaxtron.data.indexed import IndexedDataset, write_indexed
 from jaxtron.data.windows import Windows
-from jaxtron.trainer import Trainer
+from jaxtron.training.trainer import Trainer
 
 from conftest import make_config
 
@@ -140,8 +140,8 @@ def test_a_masked_target_has_no_effect_and_accumulation_counts_tokens_globally()
 
 
 def _layout(batch):
-    from jaxtron.models.token_layout import TokenLayout
-    return TokenLayout(positions=jnp.asarray(batch["positions"]),
+    from jaxtron.models.token_positions import TokenPositions
+    return TokenPositions(positions=jnp.asarray(batch["positions"]),
                        segment_ids=jnp.asarray(batch["segment_ids"]))
 
 

@@ -10,12 +10,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxtron import config as config_lib
+from jaxtron.config.loading import load_config
 from jaxtron.data.pipeline import open_dataset, train_batches
-from jaxtron.pipeline.layout import join_stages, split_layers, split_over_stages
-from jaxtron.pipeline.schedule import BACKWARD, FORWARD, IDLE, build_table, forward_table
-from jaxtron.sharding.traffic import count_collectives
-from jaxtron.trainer import Trainer
+from jaxtron.pipeline.layer_split import join_stages, split_layers, split_over_stages
+from jaxtron.pipeline.ticks import BACKWARD, FORWARD, IDLE
+from jaxtron.pipeline.schedules import build_table, forward_table
+from jaxtron.sharding.collectives import count_collectives
+from jaxtron.training.trainer import Trainer
 
 from conftest import long_run_env, make_config, metric_records
 
@@ -228,7 +229,7 @@ BIG_VOCAB = ["model.vocab_size=4096", "model.num_layers=8", "mesh.stage=4", "mes
 
 
 def tiny_trainer(*overrides):
-    return Trainer(config_lib.load("configs/tiny.yaml", [*BIG_VOCAB, *overrides]))
+    return Trainer(load_config("configs/tiny.yaml", [*BIG_VOCAB, *overrides]))
 
 
 def per_device_bytes(tree):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jaxtron.data.pipeline import open_dataset, train_batches
-from jaxtron.trainer import Trainer
+from jaxtron.training.trainer import Trainer
 
 from conftest import first_batch_objective_metrics_grads, make_config
 

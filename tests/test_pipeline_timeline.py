@@ -4,7 +4,7 @@ ZB-H1 bubble where its B and W each take one forward. Plain numpy, no devices.""
 
 import pytest
 
-from jaxtron.pipeline.schedule import build_table
+from jaxtron.pipeline.schedules import build_table
 from jaxtron.pipeline.timeline import step_units, weighted_idle, work_units
 
 

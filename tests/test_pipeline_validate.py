@@ -8,9 +8,10 @@ import sys
 import numpy as np
 import pytest
 
-from jaxtron.pipeline import split_backward
-from jaxtron.pipeline.schedule import WEIGHT_GRAD, build_table, forward_table, virtual_stage
-from jaxtron.pipeline.validate import ScheduleError, check
+from jaxtron.pipeline import zero_bubble as split_backward
+from jaxtron.pipeline.ticks import WEIGHT_GRAD, virtual_stage
+from jaxtron.pipeline.schedules import build_table, forward_table
+from jaxtron.pipeline.table_check import ScheduleError, check
 
 
 @pytest.mark.parametrize("schedule, p, v, m", [

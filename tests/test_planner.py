@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from jaxtron import config as config_lib
+from jaxtron.config.loading import load_config
 from jaxtron.planner import validate
 from jaxtron.planner.cost import bubble_fraction, estimate
 from jaxtron.planner.traffic import communication
@@ -15,13 +15,13 @@ from jaxtron.planner.layout import Layout, apply
 from jaxtron.planner.memory import memory_budget_bytes, predict, state_bytes
 from jaxtron.planner.search import plan
 from jaxtron.sharding.report import shard_bytes
-from jaxtron.trainer import Trainer, check_layout
+from jaxtron.training.trainer import Trainer, check_layout
 
 MiB = 2**20
 
 
 def small_config():
-    return config_lib.load("configs/tiny.yaml", validate.BASE)
+    return load_config("configs/tiny.yaml", validate.BASE)
 
 
 @pytest.mark.parametrize("layout", validate.MATRIX, ids=Layout.describe)
@@ -61,7 +61,7 @@ def test_parameter_and_optimizer_bytes_are_exact():
     for layout, moments in ((Layout(fsdp=8), "float32"),
                             (Layout(data=2, tensor=4, zero_stage=1), "float32"),
                             (Layout(data=2, tensor=4, zero_stage=1), "bfloat16")):
-        config = config_lib.load("configs/tiny.yaml",
+        config = load_config("configs/tiny.yaml",
                                  validate.BASE + [f"optim.moment_dtype={moments}"])
         planned = apply(config, layout)
         trainer = Trainer(planned)
@@ -155,6 +155,6 @@ def test_plan_cli_ranks_and_applies_the_best_layout(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     assert "layouts of 8 x cpu considered" in result.stdout
     assert "given layout (mesh.tensor=2), best variant ranks" in result.stdout
-    planned = config_lib.load(out)
+    planned = load_config(out)
     assert planned.model.d_model == 128 and planned.train.batch_size == 16
     assert memory_budget_bytes("80GiB") == 80 * 2**30 and memory_budget_bytes("141GB") == 141e9

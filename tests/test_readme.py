@@ -25,7 +25,7 @@ NOT_RUN = {"make test": "this suite", "source .venv/bin/activate": "the tests ru
 TINY = {"jaxtron.train": ["train.steps=3", "train.log_every=1", "train.eval_batches=1",
                           "data.builtin_max_bytes=400000"],
         "jaxtron.bench": ["--warmup", "1", "--steps", "1", "--repeats", "1"],
-        "jaxtron.data.bench": ["--batches", "5", "data.builtin_max_bytes=400000"]}
+        "jaxtron.data.throughput": ["--batches", "5", "data.builtin_max_bytes=400000"]}
 
 
 def readme_commands() -> list[tuple[str, str | None]]:

@@ -10,11 +10,11 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 from jaxtron.kernels import attention, ring
 from jaxtron.kernels.reference import reference_attention
 from jaxtron.kernels.ring import from_zigzag, ring_attention, to_zigzag
-from jaxtron.platforms import building_for
+from jaxtron.config.platforms import building_for
 from jaxtron.sharding.rules import activation_rules, activation_sharding
-from jaxtron.sharding.traffic import count_collectives
+from jaxtron.sharding.collectives import count_collectives
 from jaxtron.sharding.zigzag import zigzag_order, zigzag_ordered
-from jaxtron.trainer import Trainer
+from jaxtron.training.trainer import Trainer
 
 from conftest import make_config
 

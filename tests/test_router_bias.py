@@ -5,10 +5,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxtron.checkpoint import Checkpointer
+from jaxtron.checkpoint.manager import Checkpointer
 from jaxtron.data.pipeline import open_dataset, train_batches
 from jaxtron.models.moe import route, update_router_bias
-from jaxtron.trainer import Trainer
+from jaxtron.training.trainer import Trainer
 
 from conftest import make_config
 

@@ -8,12 +8,12 @@ import pytest
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxtron import config as config_lib
+from jaxtron.config.loading import config_from_dict
 from jaxtron.data.pipeline import open_dataset, train_batches
 from jaxtron.errors import ConfigError
-from jaxtron.hf import to_hf
+from jaxtron.hf.translate import to_hf
 from jaxtron.models.moe import MoE, route, top_k
-from jaxtron.trainer import Trainer
+from jaxtron.training.trainer import Trainer
 
 from conftest import make_config
 
@@ -187,7 +187,7 @@ def test_sigmoid_group_routing_trains_and_expert_parallel_matches_one_device(mod
 ])
 def test_bad_routing_settings_are_explained(overrides, fragment):
     with pytest.raises(ConfigError) as err:
-        config_lib.from_dict({}, ["moe.num_experts=8", *overrides])
+        config_from_dict({}, ["moe.num_experts=8", *overrides])
     assert fragment in str(err.value)
     assert "\n" not in str(err.value)
 

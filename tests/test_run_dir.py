@@ -10,7 +10,7 @@ import time
 import pytest
 
 from jaxtron import train
-from jaxtron.checkpoint import Checkpointer, checkpoint_dir
+from jaxtron.checkpoint.manager import Checkpointer, checkpoint_dir
 
 from conftest import metric_records
 

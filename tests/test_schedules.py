@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from jaxtron import train
-from jaxtron.schedules import learning_rate
+from jaxtron.training.lr_schedule import learning_rate
 
 from conftest import make_config, metric_records
 

@@ -12,7 +12,7 @@ from jaxtron.data.pipeline import open_dataset, train_batches
 from jaxtron.errors import ConfigError
 from jaxtron.sharding.mesh import resolve_degrees
 from jaxtron.sharding.report import shard_bytes
-from jaxtron.trainer import Trainer
+from jaxtron.training.trainer import Trainer
 
 from conftest import make_config
 

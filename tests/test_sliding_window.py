@@ -18,7 +18,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxtron.errors import ConfigError
-from jaxtron.flops import attended_keys, training_flops_per_token
+from jaxtron.training.flops import attended_keys, training_flops_per_token
 from jaxtron.generate import decode_step, prefill
 from jaxtron.kernels.attention import Kernel, _run, attention
 from jaxtron.kernels.blockwise import blockwise_causal_attention, chunk_count
@@ -216,7 +216,7 @@ def test_attention_flops_count_the_window():
 
 
 def test_config_errors_and_warnings_name_the_field():
-    from jaxtron.config import warnings
+    from jaxtron.config.checks import config_warnings
 
     with pytest.raises(ConfigError, match="model.sliding_window=0 must be a positive"):
         make_config({"model.sliding_window": 0})
@@ -229,7 +229,7 @@ def test_config_errors_and_warnings_name_the_field():
 def test_hugging_face_window_fields_both_ways():
     """Mistral and windowed Qwen2 import with their window, and export back with it; a Qwen2
     that windows only some layers, and an MLA model with a window, are refused in one line."""
-    from jaxtron.hf import _sliding_window, from_hf, to_hf
+    from jaxtron.hf.translate import _sliding_window, from_hf, to_hf
 
     qwen2 = {"num_hidden_layers": 4, "use_sliding_window": True, "sliding_window": 16}
     assert _sliding_window("Qwen2ForCausalLM", {**qwen2, "max_window_layers": 0}) == 16
@@ -252,8 +252,8 @@ def test_hugging_face_window_fields_both_ways():
 
 def zero_params(config) -> dict:
     """Zero parameters in the model layout, shaped from the export table (no model built)."""
-    from jaxtron.hf import _dims, _export_arch
-    from jaxtron.hf_tensors import tensor_table
+    from jaxtron.hf.translate import _dims, _export_arch
+    from jaxtron.hf.tensors import tensor_table
 
     params = {}
     for _, path, _, shape, _ in tensor_table(_dims(config, _export_arch(config))):

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from jaxtron.sharding.traffic import _replica_groups, count_collectives
-from jaxtron.trainer import Trainer
+from jaxtron.sharding.collectives import _replica_groups, count_collectives
+from jaxtron.training.trainer import Trainer
 
 from conftest import make_config
 

@@ -10,8 +10,8 @@ import pytest
 from flax import nnx
 
 from jaxtron.data.pipeline import open_dataset, train_batches
-from jaxtron.step import accumulated_grads, plain_grads
-from jaxtron.trainer import Trainer
+from jaxtron.training.step import accumulated_grads, plain_grads
+from jaxtron.training.trainer import Trainer
 
 from conftest import long_run_env, make_config, metric_records
 

@@ -20,7 +20,7 @@ import sys
 import grain
 import numpy as np
 
-from jaxtron.config import Config
+from jaxtron.config.schema import Config
 from jaxtron.data.corpus import BUILTIN_STDLIB, builtin_prefix
 from jaxtron.data.indexed import IndexedDataset
 from jaxtron.data.windows import WholeExamples, Windows

@@ -1,7 +1,7 @@
 """The one attention entry point the model calls, and which kernel runs on which platform.
 
 `model.attention_impl` states a preference; the kernel that runs depends on the platform the
-step is lowered for (`jaxtron.platforms`), the compute dtype and the head dim:
+step is lowered for (`jaxtron.config.platforms`), the compute dtype and the head dim:
 
 | impl     | cpu              | cuda                                  | rocm   | tpu    |
 |----------|------------------|---------------------------------------|--------|--------|
@@ -62,7 +62,7 @@ from jaxtron.kernels.per_device import per_device
 from jaxtron.kernels.reference import check_window, reference_attention
 from jaxtron.kernels.ring import ring_attention
 from jaxtron.kernels.splash import splash_attention
-from jaxtron.platforms import PLATFORMS, compute_dtype, cudnn_present, target_platform
+from jaxtron.config.platforms import PLATFORMS, compute_dtype, cudnn_present, target_platform
 from jaxtron.sharding.rules import active_mesh, manual_axes
 from jaxtron.sharding.zigzag import zigzag_ring
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxtron.config import ModelConfig, MoEConfig
+from jaxtron.config.schema import MoEConfig, ModelConfig
 from jaxtron.models.layers import MLP, Attention, make_norm
 from jaxtron.models.mla import MLAttention
 from jaxtron.models.moe import MoE
-from jaxtron.models.token_layout import PLAIN, TokenLayout
+from jaxtron.models.token_positions import PLAIN, TokenPositions
 from jaxtron.sharding.rules import constrain
 
 MOE_STATS = ("balance", "z", "dropped", "max_load")
@@ -28,11 +28,11 @@ class Block(nnx.Module):
         self.mlp = MoE(cfg, moe, rngs) if moe is not None else MLP(cfg, rngs)
         self.is_moe = moe is not None
 
-    def __call__(self, x_BxLxD, layout: TokenLayout = PLAIN):
+    def __call__(self, x_BxLxD, token_pos: TokenPositions = PLAIN):
         x_BxLxD = constrain(x_BxLxD, ("batch", "residual_seq", "embed"))
-        x_BxLxD = x_BxLxD + self.attn(self.attn_norm(x_BxLxD), layout)
+        x_BxLxD = x_BxLxD + self.attn(self.attn_norm(x_BxLxD), token_pos)
         if self.is_moe:
-            y_BxLxD, stats = self.mlp(self.mlp_norm(x_BxLxD), layout.order)
+            y_BxLxD, stats = self.mlp(self.mlp_norm(x_BxLxD), token_pos.order)
         else:
             y_BxLxD = self.mlp(self.mlp_norm(x_BxLxD))
             stats = {name: jnp.zeros((), jnp.float32) for name in MOE_STATS}
@@ -47,7 +47,7 @@ class BlockGroup(nnx.Module):
         self.dense = nnx.data([Block(cfg, rngs) for _ in range(moe.every - 1)])
         self.sparse = Block(cfg, rngs, moe)
 
-    def __call__(self, x_BxLxD, layout: TokenLayout = PLAIN):
+    def __call__(self, x_BxLxD, token_pos: TokenPositions = PLAIN):
         for block in self.dense:
-            x_BxLxD, _ = block(x_BxLxD, layout)
-        return self.sparse(x_BxLxD, layout)
+            x_BxLxD, _ = block(x_BxLxD, token_pos)
+        return self.sparse(x_BxLxD, token_pos)

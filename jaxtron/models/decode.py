@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxtron.config import ModelConfig
+from jaxtron.config.schema import ModelConfig
 from jaxtron.kernels.reference import visible_keys
 from jaxtron.models.blocks import Block
 from jaxtron.models import mla

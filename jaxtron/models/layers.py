@@ -11,12 +11,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxtron.config import ModelConfig
+from jaxtron.config.schema import ModelConfig
 from jaxtron.kernels import attention
 from jaxtron.kernels.fp8 import einsum
 from jaxtron.models import rope
-from jaxtron.models.activations import gelu_tanh, swiglu
-from jaxtron.models.token_layout import PLAIN, TokenLayout
+from jaxtron.kernels.activations import gelu_tanh, swiglu
+from jaxtron.models.token_positions import PLAIN, TokenPositions
 from jaxtron.sharding.rules import constrain
 
 
@@ -157,17 +157,17 @@ class Attention(nnx.Module):
             out_BxLxD += self.bo[...].astype(dt)
         return out_BxLxD
 
-    def __call__(self, x_BxLxD, layout: TokenLayout = PLAIN):
-        """`layout`: positions for RoPE, and the documents attention must not cross. The
+    def __call__(self, x_BxLxD, token_pos: TokenPositions = PLAIN):
+        """`token_pos`: positions for RoPE, and the documents attention must not cross. The
         causal mask, and `model.sliding_window`'s band, are the kernel's (see
         `jaxtron.sharding.zigzag` for a reordered sequence)."""
-        positions = layout.positions_for(x_BxLxD.shape[1])
+        positions = token_pos.positions_for(x_BxLxD.shape[1])
         q_BxLxHxK, k_BxLxGxK, v_BxLxGxK = self.project_qkv(x_BxLxD, positions)
         q_BxLxHxK = constrain(q_BxLxHxK, ("batch", "seq", "heads", "head_dim"))
         k_BxLxGxK = constrain(k_BxLxGxK, ("batch", "seq", "kv_heads", "head_dim"))
         v_BxLxGxK = constrain(v_BxLxGxK, ("batch", "seq", "kv_heads", "head_dim"))
         out_BxLxHxK = attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, causal=True,
-                                segment_ids=layout.segment_ids, impl=self.cfg.attention_impl,
+                                segment_ids=token_pos.segment_ids, impl=self.cfg.attention_impl,
                                 window=self.cfg.sliding_window)
         return self.project_out(out_BxLxHxK)
 

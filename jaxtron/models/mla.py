@@ -12,7 +12,7 @@ With C = kv_lora_rank, Kn = qk_nope_head_dim, Kr = qk_rope_head_dim, V = v_head_
 
 RoPE rotates pairs (i, i + Kr/2) as `layers.rotary` does for Llama (DeepSeek's checkpoints
 interleave the pairs instead: a fixed permutation of W_q's and W_dkv's rotary columns), at the
-TokenLayout's positions, so packed documents restart at 0.
+TokenPositions's positions, so packed documents restart at 0.
 
 Tensor parallelism: W_uq, W_uk, W_uv and W_o carry the `heads` axis (split over `tensor`); the
 down-projections, their norms and the latent carry `latent`, which is never split, so every
@@ -36,13 +36,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxtron.config import ModelConfig
+from jaxtron.config.schema import ModelConfig
 from jaxtron.kernels import attention
 from jaxtron.kernels.reference import visible_keys
 from jaxtron.kernels.fp8 import einsum
 from jaxtron.models import rope
 from jaxtron.models.layers import fp8_histories, fp8_history, normal, param, rotary
-from jaxtron.models.token_layout import PLAIN, TokenLayout
+from jaxtron.models.token_positions import PLAIN, TokenPositions
 from jaxtron.sharding.rules import constrain
 
 # Extra shape letters here: C latent width (kv_lora_rank), Q compressed query width
@@ -112,11 +112,11 @@ class MLAttention(nnx.Module):
         return einsum("blhv,hvd->bld", out_BxLxHxV, self.wo[...].astype(dt), self.cfg.fp8,
                       fp8_history(self.fp8_amax_history, 3))
 
-    def __call__(self, x_BxLxD, layout: TokenLayout = PLAIN):
-        """As `Attention.__call__`: RoPE at the layout's positions, attention within its
+    def __call__(self, x_BxLxD, token_pos: TokenPositions = PLAIN):
+        """As `Attention.__call__`: RoPE at the given positions, attention within its
         documents, causal."""
         dt = x_BxLxD.dtype
-        positions = layout.positions_for(x_BxLxD.shape[1])
+        positions = token_pos.positions_for(x_BxLxD.shape[1])
         q_BxLxHxK, latent_BxLxC, p_BxLxP = self.project(x_BxLxD, positions)
         # Under sequence parallelism the latent, not x, is what is gathered over `tensor`.
         latent_BxLxC = constrain(latent_BxLxC, ("batch", "seq", "latent"))
@@ -129,7 +129,7 @@ class MLAttention(nnx.Module):
         q_BxLxHxK, k_BxLxHxK, v_BxLxHxV = (constrain(x, names)
                                            for x in (q_BxLxHxK, k_BxLxHxK, v_BxLxHxV))
         out_BxLxHxV = attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxV, causal=True,
-                                segment_ids=layout.segment_ids, impl=self.cfg.attention_impl,
+                                segment_ids=token_pos.segment_ids, impl=self.cfg.attention_impl,
                                 window=self.cfg.sliding_window)
         return self.project_out(out_BxLxHxV)
 

@@ -28,7 +28,7 @@ Execution, chosen by `moe.mode`:
 Top-k is taken with a stable sort rather than `lax.top_k`: XLA's SPMD partitioner gathers a
 TopK's whole operand onto every device, a sort it splits along the batch.
 
-Expert parallelism is in `jaxtron.sharding.experts`: dispatched tokens cross the `expert` mesh
+Expert parallelism is in `jaxtron.kernels.experts`: dispatched tokens cross the `expert` mesh
 axis with all-to-all. Routing decisions depend only on the sequence, so every layout routes and
 drops exactly the same tokens as one device.
 """
@@ -41,11 +41,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxtron.config import ModelConfig, MoEConfig
+from jaxtron.config.schema import MoEConfig, ModelConfig
 from jaxtron.kernels.fp8 import grouped_matmul
-from jaxtron.models.activations import swiglu
+from jaxtron.kernels.activations import swiglu
 from jaxtron.models.layers import MLP, normal, param
-from jaxtron.sharding.experts import expert_ffn, expert_parallel_active
+from jaxtron.kernels.experts import expert_ffn, expert_parallel_active
 from jaxtron.sharding.rules import constrain, mean_over_batch_shards
 
 

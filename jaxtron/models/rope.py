@@ -26,7 +26,7 @@ import math
 
 import numpy as np
 
-from jaxtron.config import ModelConfig
+from jaxtron.config.schema import ModelConfig
 
 SCALINGS = ("none", "linear", "llama3", "yarn")
 

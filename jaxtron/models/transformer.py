@@ -10,7 +10,7 @@ work.
 Llama: RMSNorm, RoPE, SwiGLU, grouped-query attention, untied embeddings (Touvron et al. 2023).
 GPT-2: LayerNorm, learned positions, GELU, tied embeddings (Radford et al. 2019).
 
-Tokens may come with a `TokenLayout` (`token_layout.py`): positions that restart at each
+Tokens may come with a `TokenPositions` (`token_positions.py`): positions that restart at each
 document of a packed row and the segment ids that keep attention inside a document, or the
 permutation context parallelism applies once per step (`jaxtron.sharding.zigzag`), which RoPE,
 learned positions and the MoE capacity priority follow while attention's causal mask follows
@@ -24,13 +24,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxtron.config import ModelConfig, MoEConfig
+from jaxtron.config.schema import MoEConfig, ModelConfig
 from jaxtron.kernels.blockwise import ATTENTION_RESIDUALS
 from jaxtron.kernels.cross_entropy import chunked_cross_entropy
 from jaxtron.models.blocks import MOE_STATS, Block, BlockGroup
 from jaxtron.models.layers import make_norm, normal, param
 from jaxtron.models.mtp import MultiTokenPrediction
-from jaxtron.models.token_layout import PLAIN, TokenLayout
+from jaxtron.models.token_positions import PLAIN, TokenPositions
 from jaxtron.sharding.rules import constrain
 
 REMAT_POLICIES = {
@@ -118,16 +118,16 @@ def make_blocks(cfg: ModelConfig, rngs: nnx.Rngs, moe: MoEConfig | None = None,
 
 
 def run_blocks(cfg: ModelConfig, graphdef, stacked, x_BxLxD, active_N=None,
-               layout: TokenLayout = PLAIN):
+               token_pos: TokenPositions = PLAIN):
     """Apply stacked units in order -> (x, summed MoE statistics). Where `active_N` is False a
-    unit is the identity (padding in uneven pipeline splits). `layout`: see the module
+    unit is the identity (padding in uneven pipeline splits). `token_pos`: see the module
     docstring. An MoE layer's per-expert `load` (reported when its routing bias is moved by
     the step) is not summed but stacked, one row per unit."""
 
     def body(carry, layer):
         x, stats = carry
         layer_state, active = layer
-        y, layer_stats = nnx.merge(graphdef, layer_state)(x, layout)
+        y, layer_stats = nnx.merge(graphdef, layer_state)(x, token_pos)
         layer_stats = dict(layer_stats)
         load = layer_stats.pop("load", None)
         if active is not None:  # a padding unit: no output, no statistics
@@ -170,19 +170,19 @@ class Transformer(nnx.Module):
         if cfg.mtp_depth:
             self.mtp = MultiTokenPrediction(cfg, rngs)
 
-    def __call__(self, tokens_BxL, layout: TokenLayout = PLAIN):
+    def __call__(self, tokens_BxL, token_pos: TokenPositions = PLAIN):
         """Token ids -> logits_BxLxV in the compute dtype."""
-        return self.forward(tokens_BxL, layout)[0]
+        return self.forward(tokens_BxL, token_pos)[0]
 
-    def forward(self, tokens_BxL, layout: TokenLayout = PLAIN):
+    def forward(self, tokens_BxL, token_pos: TokenPositions = PLAIN):
         """-> (logits_BxLxV, aux): aux holds the MoE statistics averaged over MoE layers and
         `weighted_terms`, the auxiliary losses to add to the training objective."""
-        x_BxLxD, aux = self._trunk(tokens_BxL, layout)
+        x_BxLxD, aux = self._trunk(tokens_BxL, token_pos)
         return self.head(x_BxLxD, self.embedder.embed[...]), aux
 
-    def loss(self, tokens_BxL, targets_BxL, layout: TokenLayout = PLAIN, weights_BxL=None):
+    def loss(self, tokens_BxL, targets_BxL, token_pos: TokenPositions = PLAIN, weights_BxL=None):
         """-> (mean next-token loss, aux) without returning logits (see Head.loss)."""
-        x_BxLxD, aux = self._trunk(tokens_BxL, layout)
+        x_BxLxD, aux = self._trunk(tokens_BxL, token_pos)
         table = self.embedder.embed[...]
         loss = self.head.loss(x_BxLxD, targets_BxL, table, weights_BxL)
         if self.cfg.mtp_depth:
@@ -190,20 +190,20 @@ class Transformer(nnx.Module):
             aux["mtp_loss"] = self.mtp.mean_loss(
                 x_BxLxD, tokens_BxL, targets_BxL, embed=self.embedder,
                 head_loss=lambda h, t, w: self.head.loss(h, t, table, w),
-                layout=layout, weights_BxL=weights_BxL)
+                token_pos=token_pos, weights_BxL=weights_BxL)
             aux["weighted_terms"] = [*aux.get("weighted_terms", []),
                                      self.cfg.mtp_loss_coef * aux["mtp_loss"]]
         return loss, aux
 
-    def _trunk(self, tokens_BxL, layout: TokenLayout):
-        positions = None if layout.positions is None and layout.order is None else \
-            layout.positions_for(tokens_BxL.shape[1])
+    def _trunk(self, tokens_BxL, token_pos: TokenPositions):
+        positions = None if token_pos.positions is None and token_pos.order is None else \
+            token_pos.positions_for(tokens_BxL.shape[1])
         x_BxLxD = self.embedder(tokens_BxL, positions)
         if hasattr(self, "dense_blocks"):
             graphdef, stacked = nnx.split(self.dense_blocks)
-            x_BxLxD, _ = run_blocks(self.cfg, graphdef, stacked, x_BxLxD, layout=layout)
+            x_BxLxD, _ = run_blocks(self.cfg, graphdef, stacked, x_BxLxD, token_pos=token_pos)
         graphdef, stacked = nnx.split(self.blocks)
-        x_BxLxD, stats = run_blocks(self.cfg, graphdef, stacked, x_BxLxD, layout=layout)
+        x_BxLxD, stats = run_blocks(self.cfg, graphdef, stacked, x_BxLxD, token_pos=token_pos)
         if self.moe is None:
             return x_BxLxD, {}
         return x_BxLxD, moe_aux(self.cfg, self.moe, stats)

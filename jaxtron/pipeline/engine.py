@@ -53,7 +53,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
-from jaxtron.pipeline.schedule import FORWARD, INPUT_GRAD, Table
+from jaxtron.pipeline.ticks import FORWARD, INPUT_GRAD, Table
 from jaxtron.pipeline.split_vjp import SplitVJP
 from jaxtron.pipeline.stored_vjp import StoredVJP
 from jaxtron.pipeline.stage_plan import AXIS, Plan, microbatch

@@ -9,7 +9,7 @@ Each row is a pipeline rank, each column a tick (one forward or one backward of 
 microbatch chunk): `F3` / `B3` run microbatch 3 (`F3.1`: chunk 1), `.` is idle. With the
 split-backward schedules `zb-h1` and `zbv` a tick is one F, one B (input gradient) or one W
 (weight gradient); `zbv`'s rows show each rank's two chunks (`.0` down the V, `.1` back up).
-Every table shown is first checked by `jaxtron.pipeline.validate`. The last line gives the
+Every table shown is first checked by `jaxtron.pipeline.table_check`. The last line gives the
 idle share where ranks run side by side with jobs at their real lengths
 (`jaxtron.pipeline.timeline`), with the backward recomputing the stage and without.
 """
@@ -19,9 +19,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from jaxtron.pipeline import split_backward, timeline, validate
-from jaxtron.pipeline.schedule import (SCHEDULES, SPLIT_SCHEDULES, Table, build_table,
-                                       render)
+from jaxtron.pipeline import table_check, timeline, zero_bubble
+from jaxtron.pipeline.ticks import Table, render
+from jaxtron.pipeline.schedules import SCHEDULES, SPLIT_SCHEDULES, build_table
 
 
 def main(argv=None) -> int:
@@ -52,7 +52,7 @@ def main(argv=None) -> int:
 
 def show_table(schedule: str, p: int, m: int, v: int) -> Table:
     table = build_table(schedule, p, m, v)
-    validate.check(table)
+    table_check.check(table)
     print(render(table))
     formula = (p - 1) / (v * m + p - 1)
     print(f"{schedule}: {p} stages, {m} microbatches, {v} chunk(s) per rank: "
@@ -64,7 +64,7 @@ def show_table(schedule: str, p: int, m: int, v: int) -> Table:
 
 def show_split(schedule: str, p: int, m: int) -> Table:
     table = build_table(schedule, p, m)
-    checked = validate.check(table)
+    checked = table_check.check(table)
     print(render(table))
     one_f_one_b = f"1F1B in the same units: (p-1)/(m+p-1) = {(p - 1) / (m + p - 1):.4f}"
     if schedule == "zbv":  # two half-stage chunks per rank: a tick is half a stage's job
@@ -75,7 +75,7 @@ def show_split(schedule: str, p: int, m: int) -> Table:
         return table
     print(f"{schedule}: {p} stages, {m} microbatches, F = B = W = one tick: {table.ticks} "
           f"ticks, bubble {table.bubble:.4f} (formula (p-1)/(3m+p-1) = "
-          f"{split_backward.bubble_formula(p, m):.4f}; {one_f_one_b}); microbatches held per "
+          f"{zero_bubble.bubble_formula(p, m):.4f}; {one_f_one_b}); microbatches held per "
           f"rank at most {max(checked.peak_in_flight)} (1F1B: {min(p, m)})")
     return table
 

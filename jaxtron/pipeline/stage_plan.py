@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
-from jaxtron.pipeline.schedule import DOWN, UP, Table
+from jaxtron.pipeline.ticks import DOWN, Table, UP
 from jaxtron.sharding.rules import manual_axes, shard_map_mesh, without_mesh_axis
 
 AXIS = "stage"

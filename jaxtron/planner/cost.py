@@ -16,8 +16,8 @@ import dataclasses
 import functools
 import math
 
-from jaxtron.config import Config
-from jaxtron.flops import hardware_flops_per_token, training_flops_per_token
+from jaxtron.config.schema import Config
+from jaxtron.training.flops import hardware_flops_per_token, training_flops_per_token
 from jaxtron.planner.hardware import Hardware
 from jaxtron.planner.layout import Layout
 from jaxtron.planner.memory import schedule_table

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxtron.flops import PEAK_FLOPS_BY_KIND as PEAK
+from jaxtron.training.flops import PEAK_FLOPS_BY_KIND as PEAK
 
 
 @dataclasses.dataclass(frozen=True)

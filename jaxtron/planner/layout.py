@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxtron import config as config_lib
+from jaxtron.config.loading import config_from_dict, config_to_dict
+from jaxtron.config.schema import Config, PipelineConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +66,7 @@ class Layout:
         return " ".join(parts)
 
 
-def layout_of(config: config_lib.Config, degrees: dict[str, int]) -> Layout:
+def layout_of(config: Config, degrees: dict[str, int]) -> Layout:
     """The layout a config runs with on a mesh of `degrees` (the inverse of `apply`)."""
     c = config
     return Layout(**degrees, sequence_parallel=c.mesh.sequence_parallel,
@@ -75,14 +76,14 @@ def layout_of(config: config_lib.Config, degrees: dict[str, int]) -> Layout:
                   recompute=c.pipeline.recompute)
 
 
-def apply(config: config_lib.Config, layout: Layout) -> config_lib.Config:
+def apply(config: Config, layout: Layout) -> Config:
     """`config` with `layout`'s fields, validated like any loaded config."""
-    raw = config_lib.to_dict(config)
+    raw = config_to_dict(config)
     for key, value in layout.overrides().items():
         section, name = key.split(".")
         raw[section][name] = value
     for name in ("dcn_data", "dcn_fsdp", "dcn_stage"):
         raw["mesh"][name] = 1
     if layout.stage == 1:
-        raw["pipeline"] = config_lib.to_dict(config_lib.PipelineConfig())
-    return config_lib.from_dict(raw)
+        raw["pipeline"] = config_to_dict(PipelineConfig())
+    return config_from_dict(raw)

@@ -43,9 +43,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxtron.config import Config
+from jaxtron.config.schema import Config
 from jaxtron.errors import ConfigError
-from jaxtron.pipeline.schedule import build_table
+from jaxtron.pipeline.schedules import build_table
 from jaxtron.planner.layout import Layout
 from jaxtron.sharding.rules import logical_names, optimizer_rules, param_rules
 

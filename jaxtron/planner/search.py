@@ -7,7 +7,7 @@ with tensor > 1, ZeRO 0/1/2 with data > 1, remat none/save_dots/full, pipeline m
 p, 2p, 4p, 8p (and the smallest count >= p dividing the batch; multiples of p when
 interleaved) with 1F1B, GPipe, zero-bubble ZB-H1 and ZB-V and interleaved (2 chunks) schedules, and gradient accumulation to bring the microbatch down
 (to one sequence) when nothing else fits. Each candidate passes the same checks a run does
-(`config.validate` and `trainer.check_layout`) before it is shown.
+(`config.checks.validate` and `check_layout`) before it is shown.
 """
 
 from __future__ import annotations
@@ -15,13 +15,14 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
-from jaxtron.config import Config
+from jaxtron.config.checks import check_layout
+from jaxtron.config.schema import Config
 from jaxtron.errors import ConfigError
 from jaxtron.planner.cost import Cost, estimate
 from jaxtron.planner.hardware import Hardware
 from jaxtron.planner.layout import Layout, apply
 from jaxtron.planner.memory import Memory, predict
-from jaxtron.platforms import for_platform
+from jaxtron.config.platforms import for_platform
 
 REMATS = ("none", "save_dots", "full")
 
@@ -121,8 +122,6 @@ def candidates(config: Config, devices: int, hardware: Hardware, platform: str =
 
 def is_legal(config: Config, layout: Layout) -> bool:
     """The same checks a run makes before it starts."""
-    from jaxtron.trainer import check_layout
-
     try:
         check_layout(apply(config, layout), layout.degrees())
     except ConfigError:
@@ -131,7 +130,7 @@ def is_legal(config: Config, layout: Layout) -> bool:
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class Ranking:
     """Every layout that fits the budget, fastest first, and how many were considered."""
     fitting: list[Candidate]
     considered: int
@@ -152,7 +151,7 @@ class Plan:
 
 
 def plan(config: Config, devices: int, hardware: Hardware, budget: int,
-         platform: str = "gpu") -> Plan:
+         platform: str = "gpu") -> Ranking:
     # The planner's "gpu" is a CUDA machine; `model.dtype: auto` then means bf16.
     config = for_platform(config, "cuda" if platform == "gpu" else platform)
     considered, fitting = 0, []
@@ -166,4 +165,4 @@ def plan(config: Config, devices: int, hardware: Hardware, budget: int,
                                 REMATS.index(c.layout.remat), not c.layout.recompute,
                                 c.layout.zero_stage,
                                 c.layout.sequence_parallel, c.memory.total))
-    return Plan(fitting, considered)
+    return Ranking(fitting, considered)

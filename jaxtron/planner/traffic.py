@@ -1,5 +1,5 @@
 """Bytes each device sends per step, by mesh axis, predicted without compiling: the planner's
-side of `jaxtron/sharding/traffic.py`, which counts the same bytes in a compiled step.
+side of `jaxtron/sharding/collectives.py`, which counts the same bytes in a compiled step.
 
 Ring collectives over n ranks on S bytes send 2 S (n-1)/n (all-reduce) or S (n-1)/n
 (all-gather, reduce-scatter, all-to-all). A collective that spans several axes is booked to the
@@ -52,7 +52,7 @@ import math
 
 import numpy as np
 
-from jaxtron.config import Config
+from jaxtron.config.schema import Config
 from jaxtron.planner.layout import Layout
 from jaxtron.planner.memory import (end_bytes, expert_gradient_bytes, microbatch_sequences,
                                     microbatch_tokens, schedule_table, state_bytes)

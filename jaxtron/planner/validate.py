@@ -5,7 +5,7 @@
 For each layout of a small matrix the train step is compiled from abstract shapes (nothing is
 allocated). XLA's memory analysis gives the per-device arguments (parameters, optimizer state,
 batch) plus peak temporaries (gradients, activations, logits); the communication counter
-(`jaxtron/sharding/traffic.py`) gives the bytes each device sends per step, booked like the
+(`jaxtron/sharding/collectives.py`) gives the bytes each device sends per step, booked like the
 planner's prediction (`jaxtron/planner/traffic.py`) to the outermost mesh axis a collective
 spans. data and fsdp are compared together: XLA merges their gradient reductions differently
 by ZeRO stage (one all-reduce over data x fsdp, or one per axis), with the same bytes in total.
@@ -17,7 +17,8 @@ from __future__ import annotations
 import dataclasses
 import sys
 
-from jaxtron import config as config_lib
+from jaxtron.config.loading import load_config
+from jaxtron.config.schema import Config
 from jaxtron.planner.layout import Layout, apply
 from jaxtron.planner.memory import predict
 from jaxtron.planner.traffic import AXES, communication
@@ -88,10 +89,10 @@ class Row:
                 for b in compared if max(self.predicted_sent[b], self.measured_sent[b]) > floor}
 
 
-def compiled(config: config_lib.Config):
+def compiled(config: Config):
     """(per-device arguments + peak temporaries, Traffic) of the compiled step."""
-    from jaxtron.sharding.traffic import count_collectives
-    from jaxtron.trainer import Trainer
+    from jaxtron.sharding.collectives import count_collectives
+    from jaxtron.training.trainer import Trainer
 
     trainer = Trainer(config)
     step = trainer.compile_step(trainer.abstract_state(), trainer.abstract_batch())
@@ -100,7 +101,7 @@ def compiled(config: config_lib.Config):
             count_collectives(step.as_text(), trainer.mesh))
 
 
-def compiled_bytes(config: config_lib.Config) -> int:
+def compiled_bytes(config: Config) -> int:
     return compiled(config)[0]
 
 
@@ -111,7 +112,7 @@ def _bucketed(per_axis: dict) -> dict:
 def run(layouts=MATRIX, base=BASE) -> list[Row]:
     rows = []
     for layout in layouts:
-        config = config_lib.load("configs/tiny.yaml", list(base))
+        config = load_config("configs/tiny.yaml", list(base))
         planned = apply(config, layout)
         measured, traffic = compiled(planned)
         booked = dict.fromkeys(AXES, 0.0)

@@ -14,7 +14,7 @@ import jax
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
-from jaxtron.config import MeshConfig
+from jaxtron.config.schema import MeshConfig
 from jaxtron.errors import ConfigError
 
 MESH_AXES = ("stage", "data", "fsdp", "expert", "sequence", "tensor")

@@ -27,7 +27,7 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxtron.config import Config
+from jaxtron.config.schema import Config
 from jaxtron.errors import ConfigError
 
 LOGICAL_AXES = ("batch", "seq", "residual_seq", "embed", "heads", "kv_heads", "head_dim", "mlp",

@@ -12,7 +12,7 @@ documents of every sequence in zig-zag order before the model runs. Contiguous s
 position-dependent computation sees the true positions, and the loss is a mean over tokens, so
 neither it nor its gradients change. While the model is traced, `zigzag_ring()` tells the
 attention kernel that its inputs are already in that order, and no layer permutes anything.
-The model itself only learns that tokens may come with a `TokenLayout`; the mesh stays here.
+The model itself only learns that tokens may come with a `TokenPositions`; the mesh stays here.
 """
 
 from __future__ import annotations
@@ -70,24 +70,24 @@ def zigzag_ring() -> int | None:
 
 
 def in_zigzag_order(loss: Callable, n: int) -> Callable:
-    """loss(inputs_BxL, targets_BxL, layout, weights_BxL) -> loss of the same arguments in
+    """loss(inputs_BxL, targets_BxL, token_pos, weights_BxL) -> loss of the same arguments in
     natural order, evaluated with the sequence in zig-zag order for a ring of n: inputs,
-    targets, loss weights, positions and segment ids permuted alike, the layout told each
+    targets, loss weights, positions and segment ids permuted alike, the token_pos told each
     token's natural index (`order`), and the attention kernel told so. `loss` must be a mean
     (or any function) over tokens that does not depend on their order."""
 
-    def ordered(inputs_BxL, targets_BxL, layout, weights_BxL=None):
+    def ordered(inputs_BxL, targets_BxL, token_pos, weights_BxL=None):
         # Token rows are whole on every device of the ring (the batch is split over the data
         # axes only), so this reordering moves no data; the model's first sharding constraint
         # then keeps each device's 2c tokens.
         order_L = zigzag_order(inputs_BxL.shape[1], n)
         zigzag = lambda a: None if a is None else to_zigzag(a, n)  # noqa: E731
-        positions = layout.positions
+        positions = token_pos.positions
         positions = order_L if positions is None else (
             positions[order_L] if positions.ndim == 1 else zigzag(positions))
-        layout = layout.replace(positions=positions, segment_ids=zigzag(layout.segment_ids),
+        token_pos = token_pos.replace(positions=positions, segment_ids=zigzag(token_pos.segment_ids),
                                 order=order_L)
         with zigzag_ordered(n):
-            return loss(zigzag(inputs_BxL), zigzag(targets_BxL), layout, zigzag(weights_BxL))
+            return loss(zigzag(inputs_BxL), zigzag(targets_BxL), token_pos, zigzag(weights_BxL))
 
     return ordered

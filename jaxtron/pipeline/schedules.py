@@ -1,0 +1,76 @@
+"""Pipeline schedules: the order in which each rank runs its jobs, placed into a tick table.
+
+GPipe runs every forward then every backward; 1F1B (Narayanan et al. 2021, PipeDream-Flush) runs
+`p - d - 1` warm-up forwards on rank d, then alternates one forward and one backward;
+interleaved 1F1B (Megatron-LM) gives each rank `v` model chunks, virtual stage `c * p + d`, and
+walks microbatches in groups of p per chunk. Their bubbles in a table of unit ticks are
+(p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v*m+p-1) for interleaved. `zb-h1` splits each
+backward into B (input gradient) and W (weight gradients) and runs the W's in 1F1B's bubbles;
+`zbv` places two chunks per rank in a V (`zero_bubble.py`).
+
+`forward_table` is evaluation's schedule: the same placement with forwards only, in the
+interleaved order (microbatches in groups of p per chunk, which is plain microbatch order when
+v = 1). An activation is held only until the next virtual stage's forward has read it, so a
+forward-only pass needs about one slot and no backward buffers at all.
+"""
+
+from __future__ import annotations
+
+from jaxtron.pipeline.ticks import BACKWARD, FORWARD, Action, Table, place
+from jaxtron.pipeline.zero_bubble import split_orders, zbv_table
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
+SPLIT_SCHEDULES = ("zb-h1", "zbv")  # each backward as B and W
+
+
+def device_orders(schedule: str, stages: int, microbatches: int,
+                  virtual: int = 1) -> list[list[Action]]:
+    """The order in which each device runs its actions."""
+    p, m, v = stages, microbatches, virtual
+    if schedule == "zb-h1" and v == 1:
+        return split_orders(p, m)
+    if schedule == "gpipe":
+        return [[Action(FORWARD, mb, c) for c in range(v) for mb in range(m)] +
+                [Action(BACKWARD, mb, c) for c in reversed(range(v)) for mb in range(m)]
+                for _ in range(p)]
+    if schedule == "1f1b" and v == 1:
+        forwards = [Action(FORWARD, mb, 0) for mb in range(m)]
+        backwards = [Action(BACKWARD, mb, 0) for mb in range(m)]
+        return [_one_forward_one_backward(forwards, backwards, min(p - d - 1, m))
+                for d in range(p)]
+    if schedule == "interleaved":
+        groups = range(0, m, p)
+        forwards = [Action(FORWARD, mb, c) for g in groups for c in range(v)
+                    for mb in range(g, min(g + p, m))]
+        backwards = [Action(BACKWARD, mb, c) for g in groups for c in reversed(range(v))
+                     for mb in range(g, min(g + p, m))]
+        return [_one_forward_one_backward(forwards, backwards,
+                                          min((p - d - 1) * 2 + (v - 1) * p, m * v))
+                for d in range(p)]
+    raise ValueError(f"unknown schedule {schedule!r} with virtual={v}")
+
+
+def _one_forward_one_backward(forwards, backwards, warmup: int) -> list[Action]:
+    order = list(forwards[:warmup])
+    for i, forward in enumerate(forwards[warmup:]):
+        order += [forward, backwards[i]]
+    return order + list(backwards[len(forwards) - warmup:])
+
+
+def build_table(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> Table:
+    """The training table: every forward and backward of `schedule`."""
+    if schedule == "zbv":  # placed greedily, two chunks per rank in a V
+        return zbv_table(stages, microbatches)
+    return place(schedule, device_orders(schedule, stages, microbatches, virtual), stages,
+                  microbatches, virtual)
+
+
+def forward_table(stages: int, microbatches: int, virtual: int = 1,
+                  v_shape: bool = False) -> Table:
+    """Forwards only (evaluation): bubble (p-1)/(v*m+p-1) when p divides m or v = 1."""
+    p, m, v = stages, microbatches, virtual
+    order = [Action(FORWARD, mb, c) for g in range(0, m, p) for c in range(v)
+             for mb in range(g, min(g + p, m))]
+    return place("forward", [list(order) for _ in range(p)], p, m, v, v_shape)
+
+

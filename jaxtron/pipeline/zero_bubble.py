@@ -1,0 +1,114 @@
+"""Zero-bubble pipeline schedules (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024) as
+tick tables with the backward split in two.
+
+A stage's backward is two jobs: B, the gradient with respect to the stage's input, which the
+previous stage waits for, and W, the gradient with respect to the stage's weights, which nothing
+waits for. 1F1B runs them back to back; ZB-H1 runs 1F1B's forwards and B's in 1F1B's order
+and lets rank d run each W d microbatches late, so the W's fill the ticks where 1F1B waits for
+gradients from downstream. Counted in units where F, B and W take one tick each (the paper's
+T_F = T_B = T_W):
+
+    1F1B  : bubble (p-1) * 3 / (3m + 3(p-1)) = (p-1) / (m+p-1)
+    ZB-H1 : bubble (p-1) / (3m + p-1)            (the paper's (p-1)(T_F + T_B - T_W))
+
+for m >= p: about a third of 1F1B's for large m, and every rank holds at most p microbatches
+whose W has not run, 1F1B's peak on rank 0 (a microbatch's activations are needed until its W).
+`schedules.build_table("zb-h1", p, m)` builds the table in these units; `jaxtron.pipeline.table_check` checks it like every
+other table.
+
+The engine runs these tables with the backward split by `split_vjp.SplitVJP`: B recomputes
+the stage from its stored input, as 1F1B's backward does, and computes the input gradient
+without any weight-gradient product; it leaves each weight's inputs and output gradients in a
+stash slot, from which W forms the weight gradients.
+"""
+
+from __future__ import annotations
+
+from jaxtron.pipeline.ticks import (FORWARD, INPUT_GRAD, WEIGHT_GRAD, Action, Table,
+                                    assign_slots, owner, virtual_stage)
+
+
+def split_orders(stages: int, microbatches: int) -> list[list[Action]]:
+    """ZB-H1: each rank's actions in order: 1F1B's warm-up forwards (p - d - 1), then one
+    forward and one B per step, rank d's W's each d microbatches after their B, the rest of the
+    W's at the end. (zbv is placed by `zbv_table`, not from fixed orders.)"""
+    p, m = stages, microbatches
+    orders = []
+    for d in range(p):
+        warmup = min(p - d - 1, m)
+        order = [Action(FORWARD, mb, 0) for mb in range(warmup)]
+        forwards, weights = warmup, 0
+        for mb in range(m):
+            if forwards < m:
+                order.append(Action(FORWARD, forwards, 0))
+                forwards += 1
+            order.append(Action(INPUT_GRAD, mb, 0))
+            if mb >= d:
+                order.append(Action(WEIGHT_GRAD, mb - d, 0))
+                weights += 1
+        orders.append(order + [Action(WEIGHT_GRAD, mb, 0) for mb in range(weights, m)])
+    return orders
+
+
+def bubble_formula(stages: int, microbatches: int) -> float:
+    """ZB-H1's idle fraction in units of F = B = W = one tick, for microbatches >= stages."""
+    p, m = stages, microbatches
+    return (p - 1) / (3 * m + p - 1)
+
+
+def zbv_table(stages: int, microbatches: int) -> Table:
+    """ZB-V (the paper's V-shape): two chunks per rank, virtual stage d down the ranks and
+    2p-1-d back up (`ticks.virtual_stage`), so rank 0 embeds and computes the loss, and the
+    turn at rank p-1 needs no send. Placed tick by tick: each rank runs a ready B if it has one
+    (the critical path), else a ready forward while it holds fewer than 2p chunk activations
+    (1F1B's memory: p microbatches of a whole stage, a chunk being half of one), else its
+    oldest pending W, else it idles. `python -m jaxtron.pipeline.show --schedule zbv` draws
+    and checks it."""
+    p, m = stages, microbatches
+    last, cap = 2 * p - 1, 2 * p
+    done: dict[tuple[int, int, int], int] = {}
+    placed: list[list[tuple[int, Action]]] = [[] for _ in range(p)]
+    held, waiting_w = [0] * p, [[] for _ in range(p)]
+    tick = 0
+
+    def ready(key) -> bool:
+        return key in done and done[key] < tick
+
+    def pick(d: int):
+        stages_here = [virtual_stage(d, c, p, True) for c in (1, 0)]  # later stage first
+        for mb in range(m):
+            for vs in stages_here:
+                if ((INPUT_GRAD, mb, vs) not in done and ready((FORWARD, mb, vs))
+                        and (vs == last or ready((INPUT_GRAD, mb, vs + 1)))):
+                    return INPUT_GRAD, mb, vs
+        if held[d] < cap:
+            for vs in stages_here:
+                for mb in range(m):
+                    if (FORWARD, mb, vs) not in done and (
+                            ready((FORWARD, mb, vs - 1)) if vs else
+                            all((FORWARD, k, 0) in done for k in range(mb))):
+                        return FORWARD, mb, vs
+        if waiting_w[d]:
+            mb, vs = waiting_w[d][0]
+            return WEIGHT_GRAD, mb, vs
+        return None
+
+    while len(done) < 3 * m * 2 * p:
+        if tick > 20 * (6 * m + p):
+            raise RuntimeError(f"zbv deadlocked at tick {tick}")
+        for d, job in [(d, pick(d)) for d in range(p)]:
+            if job is None:
+                continue
+            kind, mb, vs = job
+            done[job] = tick
+            placed[d].append((tick, Action(kind, mb, owner(vs, p, True)[1])))
+            if kind == FORWARD:
+                held[d] += 1
+            elif kind == INPUT_GRAD:
+                waiting_w[d].append((mb, vs))
+            else:
+                waiting_w[d].pop(0)
+                held[d] -= 1
+        tick += 1
+    return assign_slots(placed, tick, p, 2, m, done, v_shape=True)
+
