@@ -83,7 +83,7 @@ def jaxtron_step(*overrides: str, matmuls: str = "xla"):
     from jaxtron import bench
     from jaxtron.config.loading import load_config
 
-    config = load("configs/tiny.yaml", [
+    config = load_config("configs/tiny.yaml", [
         "model.type=gpt2", f"model.num_layers={LAYERS}", f"model.d_model={WIDTH}",
         f"model.num_heads={HEADS}", "model.num_kv_heads=null", f"model.mlp_dim={4 * WIDTH}",
         f"model.vocab_size={VOCAB}", f"data.seq_len={SEQ}", f"train.batch_size={BATCH}",

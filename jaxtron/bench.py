@@ -43,16 +43,24 @@ import time
 import jax
 import numpy as np
 
-from jaxtron.config.loading import config_from_dict, config_to_dict, load_config
+from jaxtron.config.loading import (
+    config_from_dict,
+    config_to_dict,
+    load_config,
+    single_device_config,
+)
 from jaxtron.config.schema import Config
-from jaxtron.errors import ConfigError
-from jaxtron.runtime.host_memory import keep_freed_host_memory
+from jaxtron.data.windows import batch_keys
+from jaxtron.errors import ConfigError, exits_on_user_error
+from jaxtron.pipeline.schedules import build_table
+from jaxtron.pipeline.timeline import step_units, weighted_idle
 from jaxtron.runtime.cpu_matmuls import compiler_options
-from jaxtron.errors import exits_on_user_error
-from jaxtron.export import single_device_config
-from jaxtron.training.flops import hardware_flops_per_token, peak_flops, training_flops_per_token
+from jaxtron.runtime.host_memory import keep_freed_host_memory
 from jaxtron.sharding.mesh import describe_mesh
 from jaxtron.sharding.report import memory_report
+from jaxtron.training import plain_llama
+from jaxtron.training.flops import hardware_flops_per_token, peak_flops, training_flops_per_token
+from jaxtron.training.trainer import Trainer
 
 FIELDS = ("tokens_per_s", "step_s", "model_tflops_per_device", "mfu", "hfu", "compile_s",
           "params_bytes_per_device", "optimizer_bytes_per_device", "temp_bytes_per_device",
@@ -70,7 +78,6 @@ def random_tokens(config: Config, seed: int = 0) -> np.ndarray:
 def random_batch(config) -> dict:
     """A batch with every key the config's data has (`windows.batch_keys`): random tokens,
     and for packed rows four documents per row, every target counted."""
-    from jaxtron.data.windows import batch_keys
 
     batch = {"tokens": random_tokens(config)}
     rows, length = config.train.batch_size, config.data.seq_len
@@ -102,7 +109,6 @@ def time_steps(step, state, batch, warmup: int, steps: int, repeats: int):
 
 
 def bench_jaxtron(config, devices, warmup, steps, repeats) -> dict:
-    from jaxtron.training.trainer import Trainer
 
     trainer = Trainer(config, devices)
     state = trainer.init_state()
@@ -117,7 +123,6 @@ def bench_jaxtron(config, devices, warmup, steps, repeats) -> dict:
 
 
 def bench_plain(config, device, warmup, steps, repeats) -> float:
-    from jaxtron.training import plain_llama
     init_state, step = plain_llama.make_step(config, compiler_options([device]))
     with jax.default_device(device):
         state = init_state()
@@ -173,8 +178,6 @@ def compare_schedules(config: Config, schedules: list[str], warmup: int,
     other in this run, and the step the table would take where ranks run side by side
     (`pipeline/timeline.py`), relative to the first. `name:stored` runs a schedule with
     `pipeline.recompute=false`, `name:recompute` with true."""
-    from jaxtron.pipeline.schedules import build_table
-    from jaxtron.pipeline.timeline import step_units, weighted_idle
 
     p, pp = config.mesh.stage, config.pipeline
     if p <= 1:

@@ -12,16 +12,17 @@ from __future__ import annotations
 import argparse
 import sys
 
+from jaxtron.checkpoint.params import save_params
 from jaxtron.config.loading import config_from_dict
 from jaxtron.config.schema import Config
-from jaxtron.hf import translate as hf
 from jaxtron.errors import exits_on_user_error
-from jaxtron.export import save_params
+from jaxtron.hf.files import load_hf_dir
+from jaxtron.hf.translate import from_hf
 
 
 def convert(hf_dir, out) -> Config:
-    hf_config, tensors = hf.load_hf_dir(hf_dir)
-    model, moe, params = hf.from_hf(hf_config, tensors)
+    hf_config, tensors = load_hf_dir(hf_dir)
+    model, moe, params = from_hf(hf_config, tensors)
     config = config_from_dict({"model": model, "moe": moe})
     save_params(out, config, params)
     return config

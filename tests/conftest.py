@@ -1,6 +1,7 @@
 """Eight simulated CPU devices for every test, a per-session corpus cache, one compilation
 cache for every worker of a session, and the longest tests first."""
 
+import gc
 import json
 import os
 import tempfile
@@ -8,13 +9,13 @@ from pathlib import Path
 
 # The tests compile far more than they run: their models are tiny and nearly every test builds
 # new programs (about three quarters of a test's time is XLA's backend compile). LLVM's
-# optimisation level 0 cuts XLA:CPU's compile time by about 40%, and its older elemental
-# emitters in place of the fusion emitters halve what is left (a pipelined step: 2.1 -> 1.0 s;
-# the step then runs about 20% slower, which a test of a few steps never notices). The HLO
-# passes (sharding propagation, SPMD partitioning, fusion, scheduling, buffer assignment) are
-# those of a real run, and the arithmetic differs only at round-off. Subprocesses inherit them;
-# CLI runs of many steps drop them (`long_run_env`).
-FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+# optimisation level 0 cuts XLA:CPU's compile time by about 40%; the HLO passes (sharding
+# propagation, SPMD partitioning, fusion, scheduling, buffer assignment) are those of a real
+# run, so memory and traffic are a real run's, and the arithmetic differs only at round-off.
+# (XLA:CPU's older elemental emitters would halve the compile again, but they fuse differently:
+# another program's memory, and other rounding.) Subprocesses inherit the flag; CLI runs of many
+# steps drop it (`long_run_env`).
+FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0"
 os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""),
                                     "--xla_force_host_platform_device_count=8",
                                     FAST_COMPILE_FLAGS]).strip()
@@ -26,6 +27,11 @@ import pytest  # noqa: E402
 from jaxtron.config.loading import config_from_dict
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+# Tracing a step makes millions of short-lived objects: collecting less often (and never the
+# modules imported so far) takes about 15% off tracing.
+gc.set_threshold(50_000, 20, 20)
+gc.freeze()
 
 TINY_MODEL = {"num_layers": 2, "d_model": 64, "num_heads": 4, "num_kv_heads": 2,
               "mlp_dim": 128, "vocab_size": 256, "max_seq_len": 256}

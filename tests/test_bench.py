@@ -49,7 +49,7 @@ def test_training_benchmark_reports_every_field_from_the_shared_flops_formula():
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert set(bench.FIELDS) <= report.keys()
-    config = load("configs/tiny.yaml", overrides)
+    config = load_config("configs/tiny.yaml", overrides)
     assert report["flops_per_token"] == training_flops_per_token(config.model, 32, config.moe)
     assert report["hardware_flops_per_token"] == hardware_flops_per_token(config)
     assert 0 < report["mfu"] < report["hfu"] < 1  # full remat repeats each block's forward
@@ -70,7 +70,7 @@ def test_plain_reference_model_gives_jaxtrons_loss_with_the_same_weights():
     from jaxtron.config.loading import load_config
     from jaxtron.training.trainer import Trainer
 
-    config = load("configs/tiny.yaml", ["model.num_layers=2", "model.d_model=64",
+    config = load_config("configs/tiny.yaml", ["model.num_layers=2", "model.d_model=64",
                                         "model.mlp_dim=128", "data.seq_len=32",
                                         "train.batch_size=4", "mesh.data=1"])
     trainer = Trainer(config, jax.devices()[:1])
@@ -109,13 +109,13 @@ def test_gpu_check_records_every_gpu_test_and_passes_when_they_skip(tmp_path):
 
 def test_schedules_are_timed_side_by_side_with_their_tables_bubbles():
     from jaxtron import bench
-    from jaxtron.errors import ConfigError
     from jaxtron.config.loading import load_config
+    from jaxtron.errors import ConfigError
     from jaxtron.pipeline.schedules import build_table
 
-    config = load("configs/tiny.yaml", ["mesh.stage=2", "mesh.data=4", "pipeline.microbatches=2",
-                                        "train.batch_size=8", "data.seq_len=32",
-                                        "model.num_layers=4"])
+    config = load_config("configs/tiny.yaml", ["mesh.stage=2", "mesh.data=4",
+                                               "pipeline.microbatches=2", "train.batch_size=8",
+                                               "data.seq_len=32", "model.num_layers=4"])
     rows = bench.compare_schedules(config, ["1f1b", "interleaved", "zb-h1:stored"], 0, 1,
                                    1)["schedules"]
     assert rows["1f1b"]["step_time_ratio"] == 1.0 and rows["interleaved"]["step_s"] > 0
@@ -126,4 +126,5 @@ def test_schedules_are_timed_side_by_side_with_their_tables_bubbles():
     assert rows["interleaved"]["bubble"] == build_table("interleaved", 2, 2, 2).bubble < \
         rows["1f1b"]["bubble"] == 1 / 3
     with pytest.raises(ConfigError, match="mesh.stage > 1"):
-        bench.compare_schedules(load("configs/tiny.yaml", ["mesh.data=8"]), ["1f1b"], 0, 1, 1)
+        bench.compare_schedules(load_config("configs/tiny.yaml", ["mesh.data=8"]), ["1f1b"],
+                                0, 1, 1)

@@ -8,15 +8,14 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from conftest import losses_by_step, make_config, metric_records
 from flax import nnx
 
-from jaxtron.config.loading import config_from_dict
-from jaxtron.checkpoint.manager import CheckpointError, Checkpointer, checkpoint_dir
-from jaxtron.export import load_params, save_params
 from jaxtron.checkpoint.fingerprint import fingerprints
+from jaxtron.checkpoint.manager import Checkpointer, CheckpointError, checkpoint_dir
+from jaxtron.checkpoint.params import save_params
+from jaxtron.config.loading import config_from_dict
 from jaxtron.training.trainer import Trainer
-
-from conftest import losses_by_step, make_config, metric_records
 
 BASE = ["--config", "configs/tiny.yaml", "model.num_layers=2", "model.d_model=64",
         "model.mlp_dim=128", "data.seq_len=32", "data.builtin_max_bytes=400000",
@@ -175,7 +174,7 @@ def test_exported_parameters_restore_on_one_device_without_a_mesh(tmp_path):
         np.testing.assert_array_equal(np.asarray(a), b)
     single = Trainer(make_config({"mesh.data": 1}, model={"num_layers": 4},
                                  train={"batch_size": 8}), devices=jax.devices()[:1])
-    loaded = load_params(tmp_path / "export", single)
+    loaded = single.params_from(tmp_path / "export")
     for a, b in zip(jax.tree.leaves(nnx.to_pure_dict(loaded)), jax.tree.leaves(params)):
         np.testing.assert_array_equal(np.asarray(a), b)
 

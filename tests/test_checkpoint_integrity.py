@@ -12,15 +12,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import make_config, metric_records
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxtron.config.loading import dump_config
 from jaxtron import train
-from jaxtron.checkpoint.manager import Checkpointer, checkpoint_dir
-from jaxtron.data.pipeline import open_dataset
 from jaxtron.checkpoint.fingerprint import fingerprints
-
-from conftest import make_config, metric_records
+from jaxtron.checkpoint.manager import Checkpointer, checkpoint_dir
+from jaxtron.config.loading import dump_config
+from jaxtron.data.pipeline import open_dataset
+from jaxtron.training.loop import run_training
 
 
 def numpy_fingerprint(x: np.ndarray) -> int:
@@ -69,10 +69,10 @@ def flip_a_byte(step_dir):
 
 
 def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, capsys):
-    train.run(config_for(tmp_path, 4))  # saves steps 2 and 4
+    run_training(config_for(tmp_path, 4))  # saves steps 2 and 4
     flip_a_byte(tmp_path / "checkpoints" / "4")
     capsys.readouterr()
-    train.run(config_for(tmp_path, 6))
+    run_training(config_for(tmp_path, 6))
     out = capsys.readouterr().out
     assert "note: skipping a damaged checkpoint" in out and "/checkpoints/4" in out
     assert "resumed from" in out and "at step 2" in out
@@ -82,13 +82,13 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, ca
     rows = metric_records(tmp_path)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
     reference = tmp_path.parent / "reference"
-    train.run(config_for(reference, 6))
+    run_training(config_for(reference, 6))
     assert [r["loss"] for r in rows] == [r["loss"] for r in metric_records(reference)]
 
 
 def test_when_no_checkpoint_reads_back_the_run_stops_with_one_line(tmp_path, capsys):
     config = config_for(tmp_path, 2)
-    train.run(config)
+    run_training(config)
     flip_a_byte(tmp_path / "checkpoints" / "2")
     capsys.readouterr()
     (tmp_path / "config.yaml").write_text(dump_config(config))
@@ -153,7 +153,7 @@ def test_a_write_failing_in_the_background_stops_the_run_at_the_next_step(tmp_pa
 
 def test_other_optimizer_settings_are_named_not_taken_for_damage(tmp_path, capsys):
     config = config_for(tmp_path, 2)
-    train.run(config)
+    run_training(config)
     (tmp_path / "config.yaml").write_text(dump_config(config))
     capsys.readouterr()
     # No clipping drops a stage of the optimizer chain: a different train state.

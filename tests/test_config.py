@@ -2,12 +2,17 @@ import subprocess
 import sys
 
 import pytest
+from conftest import make_config
 
-from jaxtron.config.loading import config_from_dict, config_to_dict, dump_config, field_reference, load_config
+from jaxtron.config.loading import (
+    config_from_dict,
+    config_to_dict,
+    dump_config,
+    field_reference,
+    load_config,
+)
 from jaxtron.config.schema import Config
 from jaxtron.errors import ConfigError
-
-from conftest import make_config
 
 
 def test_yaml_and_dotted_overrides(tmp_path):
@@ -32,7 +37,7 @@ def test_published_shapes_have_the_published_parameter_counts(name, billions):
     import jax
     from flax import nnx
 
-    from jaxtron.models import Transformer
+    from jaxtron.models.transformer import Transformer
 
     c = load_config(f"configs/{name}.yaml")
     model = nnx.eval_shape(lambda: Transformer(c.model, rngs=nnx.Rngs(0), moe=c.moe))

@@ -6,11 +6,10 @@ import sys
 import jax
 import numpy as np
 from flax import nnx
-
-from jaxtron.export import exported_config, load_params, load_training_params
-from jaxtron.training.trainer import Trainer
-
 from test_checkpoint import train_cmd
+
+from jaxtron.checkpoint.params import exported_config, read_params
+from jaxtron.training.trainer import Trainer
 
 
 def cli(*args):
@@ -34,13 +33,13 @@ def test_hf_export_then_import_gives_the_same_logits(tmp_path):
     assert (tmp_path / "hf" / "config.json").is_file()
     cli("jaxtron.convert", "--from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "back"))
 
-    config, pure = load_training_params(tmp_path / "run")
+    config, pure = read_params(tmp_path / "run")
     trainer = Trainer(config, devices=jax.devices()[:1])
     original = trainer.abstract_canonical_state().params
     nnx.replace_by_pure_dict(original, pure)
     back_config = exported_config(tmp_path / "back")
     back_trainer = Trainer(back_config, devices=jax.devices()[:1])
-    imported = load_params(tmp_path / "back", back_trainer)
+    imported = back_trainer.params_from(tmp_path / "back")
     tokens = np.arange(24, dtype=np.int32).reshape(2, 12) * 7 % 256
     np.testing.assert_allclose(logits_of(back_config, imported, tokens),
                                logits_of(config, original, tokens), rtol=1e-5, atol=1e-5)

@@ -6,19 +6,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import make_config
 from flax import nnx
+from test_kernels import naive_attention
 
 from jaxtron.data.pipeline import open_dataset, train_batches
-from jaxtron.kernels import attention
+from jaxtron.kernels.attention import attention
 from jaxtron.kernels.flash import flash_attention
 from jaxtron.kernels.flash_backward import Tiling, k_block_end, q_block_start
 from jaxtron.kernels.reference import reference_attention
 from jaxtron.sharding.mesh import build_mesh
 from jaxtron.sharding.rules import activation_rules, activation_sharding
 from jaxtron.training.trainer import Trainer
-
-from conftest import make_config
-from test_kernels import naive_attention
 
 
 def inputs(heads=4, kv_heads=2, length=32, kv_length=None, batch=2, dim=8, dtype=jnp.float32):

@@ -8,17 +8,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
+from conftest import make_config
 from flax import nnx
 
+from jaxtron.checkpoint.manager import Checkpointer, CheckpointError
+from jaxtron.checkpoint.params import save_params
 from jaxtron.config.loading import config_from_dict, config_to_dict
-from jaxtron.checkpoint.manager import CheckpointError, Checkpointer
-from jaxtron.export import load_params, save_params
-from jaxtron.kernels.fp8 import (E4M3, E5M2, fp8_delayed_einsum, fp8_einsum,
-                                  fp8_grouped_matmul)
+from jaxtron.kernels.fp8 import E4M3, E5M2, fp8_delayed_einsum, fp8_einsum, fp8_grouped_matmul
 from jaxtron.training.trainer import Trainer
-
-from conftest import make_config
 
 
 def numpy_quantize(x, dtype, amax=None):
@@ -177,7 +174,7 @@ def test_delayed_scaling_history_round_trips_a_checkpoint_bitwise(tmp_path):
                             other)
     # Exports hold weights only; loading one for delayed fp8 starts empty histories.
     save_params(tmp_path / "export", trainer.config, pure)
-    loaded = nnx.to_pure_dict(load_params(tmp_path / "export", trainer))
+    loaded = nnx.to_pure_dict(trainer.params_from(tmp_path / "export"))
     assert not np.asarray(loaded["blocks"]["mlp"]["fp8_amax_history"]).any()
     np.testing.assert_array_equal(loaded["blocks"]["mlp"]["w_up"], pure["blocks"]["mlp"]["w_up"])
 

@@ -9,16 +9,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
-
-from jaxtron.data.pipeline import open_dataset, train_batches
-from jaxtron.kernels import attention
-from jaxtron.kernels.reference import reference_attention
-from jaxtron.config.platforms import local_platform
-from jaxtron.training.trainer import Trainer
-
 from conftest import make_config
+from flax import nnx
 from test_flash import check, inputs, output_and_grads, packed
+
+from jaxtron.config.platforms import local_platform
+from jaxtron.data.pipeline import open_dataset, train_batches
+from jaxtron.kernels.attention import attention
+from jaxtron.kernels.reference import reference_attention
+from jaxtron.training.trainer import Trainer
 
 GPU = local_platform() in ("cuda", "rocm")
 pytestmark = [pytest.mark.gpu,

@@ -7,14 +7,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import make_config
 from flax import nnx
+from hf_rope_reference import hf_rope_tables
 
 from jaxtron.errors import ConfigError, DataError
-from jaxtron.hf.translate import from_hf, load_hf_dir, save_hf_dir, to_hf
+from jaxtron.hf.files import load_hf_dir, save_hf_dir
+from jaxtron.hf.translate import from_hf, to_hf
 from jaxtron.training.trainer import Trainer
-
-from conftest import make_config
-from hf_rope_reference import hf_rope_tables
 
 LLAMA = {"model": {"num_layers": 2, "d_model": 64, "num_heads": 4, "num_kv_heads": 2,
                    "mlp_dim": 96, "rope_theta": 500.0}}
@@ -277,8 +277,7 @@ def test_bf16_checkpoints_import_with_fp32_master_weights(tmp_path):
     """Published checkpoints are bf16; fine-tuning keeps fp32 master weights, so the import
     casts (exactly) and train.init_from into an fp32 config works."""
     from jaxtron.convert import convert
-    from jaxtron.export import load_params
-
+    
     config, _, _, pure = random_state("llama")
     hf_config, tensors = to_hf(config, pure)
     bf16 = {k: v.astype(jnp.bfloat16) for k, v in tensors.items()}
@@ -286,7 +285,7 @@ def test_bf16_checkpoints_import_with_fp32_master_weights(tmp_path):
     converted = convert(tmp_path / "hf", tmp_path / "imported")
     assert converted.model.param_dtype == "float32"
     trainer = Trainer(make_config(**LLAMA), devices=jax.devices()[:1])
-    params = nnx.to_pure_dict(load_params(tmp_path / "imported", trainer))
+    params = nnx.to_pure_dict(trainer.params_from(tmp_path / "imported"))
     embed = np.asarray(params["embedder"]["embed"])
     assert embed.dtype == np.float32
     np.testing.assert_array_equal(embed, np.asarray(bf16["model.embed_tokens.weight"],

@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from jaxtron.runtime import host_memory
+
 # A step whose temporary, a [3072, 3072] fp32 matrix (36 MiB), is allocated by XLA's worker
 # threads. It is larger than glibc's largest dynamic mmap threshold (32 MiB on 64-bit), so
 # without the tuning it is mapped afresh every step whatever malloc's history; a smaller one

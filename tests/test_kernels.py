@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxtron.kernels import attention
+from jaxtron.kernels.attention import attention
 from jaxtron.kernels.reference import reference_attention
 
 

@@ -11,28 +11,29 @@ import time
 
 import numpy as np
 import pytest
-
-from jaxtron.checkpoint.manager import saved_steps
-from jaxtron.launch import LaunchFailed, productive_seconds, supervise
-from jaxtron.runtime.run_dir import last_logged_step
-
 from conftest import FAST_COMPILE_FLAGS, losses_by_step
 from test_multihost import BASE, train
 
+from jaxtron.checkpoint.manager import saved_steps
+from jaxtron.runtime.run_dir import last_logged_step
+from jaxtron.supervisor.machine import Supervision
+from jaxtron.supervisor.records import productive_seconds
+from jaxtron.supervisor.supervise import LaunchFailed, supervise
 
-def exiting(*statuses):
-    """start(restart) for `supervise`: one process per call exiting with the next status
-    (negative: killed by that signal; None: sleeps until killed)."""
-    calls = iter(statuses)
 
-    def start(restart):
-        status = next(calls)
+class Exiting:
+    """A job for `supervise`: one process per start exiting with the next status (negative:
+    killed by that signal; None: sleeps until killed)."""
+
+    def __init__(self, *statuses):
+        self.calls = iter(statuses)
+
+    def start(self, restart):
+        status = next(self.calls)
         code = ("import time; time.sleep(60)" if status is None else
                 f"import os; os.kill(os.getpid(), {-status})" if status < 0 else
                 f"raise SystemExit({status})")
         return [subprocess.Popen([sys.executable, "-c", code])]
-
-    return start
 
 
 def records(run_dir):
@@ -40,18 +41,18 @@ def records(run_dir):
 
 
 def test_a_failure_is_restarted_and_a_bad_input_is_not(tmp_path):
-    assert supervise(exiting(1, 0), tmp_path / "a", max_restarts=2, stall_timeout_s=60) == 0
+    assert supervise(Exiting(1, 0), tmp_path / "a", Supervision(2, stall_timeout_s=60)) == 0
     (restart,) = records(tmp_path / "a")
     assert restart["event"] == "process 0 exited with status 1" and restart["lost_steps"] == 0
     # status 2 is a refused config, data or checkpoint: the same failure again, not retried
-    assert supervise(exiting(2), tmp_path / "b", max_restarts=2, stall_timeout_s=60) == 2
+    assert supervise(Exiting(2), tmp_path / "b", Supervision(2, stall_timeout_s=60)) == 2
     assert not (tmp_path / "b" / "restarts.jsonl").exists()
 
 
 def test_restarts_run_out_with_one_line_naming_the_last_failure(tmp_path):
     with pytest.raises(LaunchFailed, match=r"failed again \(process 0 was killed by SIGKILL\) "
                                            r"after 1 restart"):
-        supervise(exiting(3, -signal.SIGKILL), tmp_path, max_restarts=1, stall_timeout_s=60)
+        supervise(Exiting(3, -signal.SIGKILL), tmp_path, Supervision(1, stall_timeout_s=60))
     assert [r["event"] for r in records(tmp_path)] == ["process 0 exited with status 3"]
 
 
@@ -66,7 +67,7 @@ def test_goodput_counts_each_final_step_once_at_its_logged_rate(tmp_path):
 
 def test_a_job_that_logs_no_step_is_stopped_as_stalled(tmp_path):
     with pytest.raises(LaunchFailed, match="no step logged for 1 s"):
-        supervise(exiting(None), tmp_path, max_restarts=0, stall_timeout_s=1)
+        supervise(Exiting(None), tmp_path, Supervision(0, stall_timeout_s=1))
 
 
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
@@ -152,7 +153,7 @@ def test_a_process_that_keeps_failing_is_dropped_then_grown_back_at_the_same_bat
 
 
 def test_shrinking_keeps_the_global_batch_or_names_what_cannot_shrink():
-    from jaxtron.config.loading import config_from_dict, config_to_dict, load_config
+    from jaxtron.config.loading import load_config
     from jaxtron.supervisor.elastic import CannotShrink, fewer_processes
 
     def config(*overrides):
@@ -172,11 +173,11 @@ def test_a_shrunk_job_that_would_not_fit_takes_the_planners_fitting_layout():
     device's optimizer and gradient shards past a 23 MB budget, so the planner's fastest layout
     that fits is taken; same global batch, accumulated to the same rows per device."""
     from jaxtron.config.loading import config_from_dict, config_to_dict, load_config
-    from jaxtron.supervisor.elastic import CannotShrink, Devices, fewer_processes, shrink_within
     from jaxtron.planner.hardware import HARDWARE
     from jaxtron.planner.layout import layout_of
     from jaxtron.planner.memory import predict
     from jaxtron.sharding.mesh import resolve_degrees
+    from jaxtron.supervisor.elastic import CannotShrink, Devices, fewer_processes, shrink_within
 
     config = load_config("configs/tiny.yaml", ["mesh.data=8", "train.batch_size=16",
                                                    "optim.zero_stage=1"])

@@ -5,14 +5,13 @@ import random
 
 import jax
 import numpy as np
-
 import pytest
-
-from jaxtron import train
-from jaxtron.checkpoint.manager import Checkpointer, checkpoint_dir
-from jaxtron.training.loop_policy import LoopPolicy
-
 from conftest import make_config, metric_records
+
+from jaxtron.checkpoint.manager import Checkpointer, checkpoint_dir
+from jaxtron.training.loop import run_training
+from jaxtron.training.loop_policy import LoopPolicy
+from jaxtron.training.nonfinite import NonFiniteError, NonFiniteWatch
 
 
 def test_policy_over_random_cadences():
@@ -54,10 +53,10 @@ def test_random_cadences_and_resume_points_train_like_one_run(tmp_path, seed):
     log_every, eval_every, every = rng.randint(1, 5), rng.randint(0, 5), rng.randint(0, 5)
     stop = rng.randint(1, steps - 1)
     whole = tmp_path / "whole"
-    train.run(config_for(whole, steps, log_every, eval_every, every))
+    run_training(config_for(whole, steps, log_every, eval_every, every))
     split = tmp_path / "split"
-    train.run(config_for(split, stop, log_every, eval_every, every))  # ends (and saves) at stop
-    train.run(config_for(split, steps, log_every, eval_every, every))  # resumes at stop
+    run_training(config_for(split, stop, log_every, eval_every, every))  # ends (and saves) at stop
+    run_training(config_for(split, steps, log_every, eval_every, every))  # resumes at stop
     policy = LoopPolicy(steps, log_every, eval_every, every)
     logged = [s for s in range(1, steps + 1) if policy.after(s).log]
     whole_rows, split_rows = metric_records(whole), metric_records(split)
@@ -71,7 +70,7 @@ def test_random_cadences_and_resume_points_train_like_one_run(tmp_path, seed):
 
 def test_checkpoint_steps_that_are_not_log_steps(tmp_path):
     """log_every=10 with checkpoint.every=5 once crashed at the first save."""
-    summary = train.run(config_for(tmp_path, 12, 10, 0, 5))
+    summary = run_training(config_for(tmp_path, 12, 10, 0, 5))
     assert summary["steps"] == 12
     assert [r["step"] for r in metric_records(tmp_path)] == [10, 12]
     saved = Checkpointer(checkpoint_dir(tmp_path), 100, read_only=True).manager.all_steps()
@@ -84,8 +83,8 @@ def test_a_bad_step_is_never_saved_even_when_it_is_not_logged(tmp_path):
     config = make_config({"train.steps": 8, "train.log_every": 10, "checkpoint.every": 1,
                           "checkpoint.keep": 100, "train.run_dir": str(tmp_path),
                           "optim.lr": 1e8, "optim.warmup_steps": 0, "optim.grad_clip": 0})
-    with pytest.raises(train.NonFiniteError):
-        train.run(config)
+    with pytest.raises(NonFiniteError):
+        run_training(config)
     saved = Checkpointer(checkpoint_dir(tmp_path), 100, read_only=True).manager.all_steps()
     assert saved and max(saved) < 8  # stopped early, at the first bad step
     # Every saved step restores finite parameters.
@@ -104,8 +103,8 @@ def test_skips_recorded_in_a_checkpoint_do_not_stop_a_resumed_run():
         def latest_step(self):
             return 4
 
-    watch = train.NonFiniteWatch.__new__(train.NonFiniteWatch)
+    watch = NonFiniteWatch.__new__(NonFiniteWatch)
     watch.config, watch.checkpoints, watch.skipped = make_config(), Saved(), 3
     watch.check({"step": 5, "loss": 2.0, "grad_norm": 1.0, "skipped_updates": 3})
-    with pytest.raises(train.NonFiniteError, match="step 6 in|at or before step 6"):
+    with pytest.raises(NonFiniteError, match="step 6 in|at or before step 6"):
         watch.check({"step": 6, "loss": 2.0, "grad_norm": 1.0, "skipped_updates": 4})

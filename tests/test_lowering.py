@@ -10,13 +10,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import make_config
 
 from jaxtron.kernels.attention import Kernel, attention, configured_kernel
 from jaxtron.kernels.flash import flash_attention
 from jaxtron.kernels.reference import reference_attention
 from jaxtron.training.trainer import Trainer
-
-from conftest import make_config
 
 TRITON = "__gpu$xla.gpu.triton"
 TPU_KERNEL = "tpu_custom_call"
@@ -141,7 +140,7 @@ def test_bf16_train_step_lowers_for_every_layout(layout, platform):
     trainer, text = lowered_step(LAYOUTS[layout], platform)
     assert trainer.config.model.dtype == "bfloat16"  # model.dtype: auto on an accelerator
     assert "bf16" in text
-    kernel = configured_kernel(trainer.config, platform, cudnn_here=False)
+    kernel = configured_kernel(trainer.config, platform, cudnn_traceable=False)
     if layout == "ring_context_parallel":
         assert kernel is Kernel.RING and TRITON not in text and TPU_KERNEL not in text
     elif platform == "tpu":
@@ -161,7 +160,7 @@ def test_defaults_resolve_to_a_combination_that_lowers(platform, dtype, kernel):
     is installed; without it here, Triton)."""
     trainer, text = lowered_step({}, platform)
     assert trainer.config.model.dtype == dtype
-    assert configured_kernel(trainer.config, platform, cudnn_here=False) is kernel
+    assert configured_kernel(trainer.config, platform, cudnn_traceable=False) is kernel
     assert configured_kernel(make_config({}), "cuda") is Kernel.CUDNN
     if kernel is Kernel.TRITON:
         assert TRITON in text

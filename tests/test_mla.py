@@ -6,22 +6,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import make_config
 from flax import nnx
 
+from jaxtron.config.platforms import building_for
 from jaxtron.data.pipeline import open_dataset, train_batches
 from jaxtron.errors import ConfigError
-from jaxtron.training.flops import matmul_params, training_flops_per_token
-from jaxtron.generate import decode_step, generate, prefill
 from jaxtron.kernels.attention import attention
 from jaxtron.kernels.blockwise import blockwise_causal_attention
 from jaxtron.kernels.reference import reference_attention
-from jaxtron.models import Transformer
+from jaxtron.models.generation import decode_step, generate, prefill
 from jaxtron.models.mla import MLAttention
 from jaxtron.models.token_positions import TokenPositions
-from jaxtron.config.platforms import building_for
+from jaxtron.models.transformer import Transformer
+from jaxtron.training.flops import matmul_params, training_flops_per_token
 from jaxtron.training.trainer import Trainer
-
-from conftest import make_config
 
 # Kn = 16, P = 8 (q/k head dim 24), V = 12: values narrower than keys, as in DeepSeek-V3.
 MLA = {"attention": "mla", "num_kv_heads": None, "num_heads": 4, "d_model": 64,

@@ -4,12 +4,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import make_config
 from flax import nnx
 
-from jaxtron.models import Transformer, cross_entropy_loss
+from jaxtron.models.transformer import Transformer, cross_entropy_loss
 from jaxtron.sharding.rules import logical_names
-
-from conftest import make_config
 
 
 def build(**model):

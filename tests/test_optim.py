@@ -3,13 +3,12 @@ configured, and a logged learning rate that is the rate each update applied."""
 
 import optax
 import pytest
+from conftest import make_config, metric_records
 from flax import nnx
 
-from jaxtron import train
+from jaxtron.training.loop import run_training
 from jaxtron.training.optimizers import decay_mask, learning_rate
 from jaxtron.training.trainer import Trainer
-
-from conftest import make_config, metric_records
 
 # Every parameter of each family by path, and whether it is a weight matrix (decayed).
 MATRICES = {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "w_in", "w_out", "embed",
@@ -46,7 +45,7 @@ def test_logged_lr_is_the_rate_applied_also_around_skipped_updates(tmp_path):
     config = make_config({"train.steps": 8, "train.log_every": 1, "train.eval_every": 0,
                           "optim.lr": 1e8, "optim.warmup_steps": 0, "optim.grad_clip": 0,
                           "train.on_nan": "skip", "train.run_dir": str(tmp_path)})
-    train.run(config)
+    run_training(config)
     rows = metric_records(tmp_path)
     schedule = optax.warmup_cosine_decay_schedule(0.0, 1e8, 0, 8, 1e7)
     skipped_before = 0

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from jaxtron.pipeline import zero_bubble as split_backward
-from jaxtron.pipeline.ticks import WEIGHT_GRAD, virtual_stage
 from jaxtron.pipeline.schedules import build_table, forward_table
 from jaxtron.pipeline.table_check import ScheduleError, check
+from jaxtron.pipeline.ticks import WEIGHT_GRAD, virtual_stage
 
 
 @pytest.mark.parametrize("schedule, p, v, m", [

@@ -9,11 +9,11 @@ import pytest
 from jaxtron.config.loading import load_config
 from jaxtron.planner import validate
 from jaxtron.planner.cost import bubble_fraction, estimate
-from jaxtron.planner.traffic import communication
 from jaxtron.planner.hardware import HARDWARE
 from jaxtron.planner.layout import Layout, apply
 from jaxtron.planner.memory import memory_budget_bytes, predict, state_bytes
 from jaxtron.planner.search import plan
+from jaxtron.planner.traffic import communication
 from jaxtron.sharding.report import shard_bytes
 from jaxtron.training.trainer import Trainer, check_layout
 

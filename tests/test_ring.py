@@ -5,18 +5,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import make_config
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from jaxtron.kernels import attention, ring
+from jaxtron.config.platforms import building_for
+from jaxtron.kernels import ring
+from jaxtron.kernels.attention import attention
 from jaxtron.kernels.reference import reference_attention
 from jaxtron.kernels.ring import from_zigzag, ring_attention, to_zigzag
-from jaxtron.config.platforms import building_for
-from jaxtron.sharding.rules import activation_rules, activation_sharding
 from jaxtron.sharding.collectives import count_collectives
+from jaxtron.sharding.rules import activation_rules, activation_sharding
 from jaxtron.sharding.zigzag import zigzag_order, zigzag_ordered
 from jaxtron.training.trainer import Trainer
-
-from conftest import make_config
 
 
 def qkv(heads=4, kv_heads=2, length=64, batch=2, dim=8, seed=0):

@@ -2,9 +2,9 @@
 checked against a plain-numpy gate written from the paper (arXiv:2412.19437 eq. 12-16)."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import make_config
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -14,8 +14,6 @@ from jaxtron.errors import ConfigError
 from jaxtron.hf.translate import to_hf
 from jaxtron.models.moe import MoE, route, top_k
 from jaxtron.training.trainer import Trainer
-
-from conftest import make_config
 
 
 def numpy_gate(logits_TxE, k, score, order="topk_then_softmax", groups=1, top_groups=1,

@@ -5,11 +5,10 @@ import math
 
 import numpy as np
 import pytest
-
-from jaxtron import train
-from jaxtron.training.lr_schedule import learning_rate
-
 from conftest import make_config, metric_records
+
+from jaxtron.training.loop import run_training
+from jaxtron.training.lr_schedule import learning_rate
 
 PEAK, RATIO, WARMUP, STEPS = 1e-3, 0.1, 10, 100
 
@@ -67,7 +66,7 @@ def test_a_wsd_run_logs_warmup_stable_and_decay(tmp_path):
                           "train.run_dir": str(tmp_path)},
                          optim={"lr": PEAK, "min_lr_ratio": 0.0, "warmup_steps": 4,
                                 "schedule": "wsd", "decay_fraction": 0.25})
-    train.run(config)
+    run_training(config)
     lr = [row["lr"] for row in metric_records(tmp_path)]  # row i: update i
     assert lr[:5] == pytest.approx([0.0, PEAK / 4, PEAK / 2, 3 * PEAK / 4, PEAK])
     assert lr[4:16] == pytest.approx([PEAK] * 12)  # stable until T - D = 15

@@ -14,12 +14,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import make_config
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
+from test_flash import inputs, output_and_grads, packed
+from test_lowering import (
+    FLASH_KERNELS,
+    TPU_KERNEL,
+    TRITON,
+    forward_and_backward,
+    lowered_text,
+    shapes,
+)
+from test_mla import MLA
+from test_ring import assert_same_loss_and_grads, packed_segment_ids, sequence_mesh
 
 from jaxtron.errors import ConfigError
-from jaxtron.training.flops import attended_keys, training_flops_per_token
-from jaxtron.generate import decode_step, prefill
 from jaxtron.kernels.attention import Kernel, _run, attention
 from jaxtron.kernels.blockwise import blockwise_causal_attention, chunk_count
 from jaxtron.kernels.context_gather import gathered_context_attention
@@ -27,14 +37,9 @@ from jaxtron.kernels.flash import flash_attention
 from jaxtron.kernels.reference import reference_attention
 from jaxtron.kernels.ring import ring_attention, to_zigzag
 from jaxtron.kernels.splash import splash_attention
-from jaxtron.models import Transformer
-
-from conftest import make_config
-from test_flash import inputs, output_and_grads, packed
-from test_lowering import (FLASH_KERNELS, TPU_KERNEL, TRITON, forward_and_backward,
-                           lowered_text, shapes)
-from test_mla import MLA
-from test_ring import assert_same_loss_and_grads, packed_segment_ids, sequence_mesh
+from jaxtron.models.generation import decode_step, prefill
+from jaxtron.models.transformer import Transformer
+from jaxtron.training.flops import attended_keys, training_flops_per_token
 
 
 def numpy_attention(q, k, v, window, segment_ids=None):
@@ -220,9 +225,10 @@ def test_config_errors_and_warnings_name_the_field():
 
     with pytest.raises(ConfigError, match="model.sliding_window=0 must be a positive"):
         make_config({"model.sliding_window": 0})
-    assert not warnings(make_config({"model.sliding_window": 64}))  # longer than data.seq_len:
+    # longer than data.seq_len:
+    assert not config_warnings(make_config({"model.sliding_window": 64}))
     # training sees no window, generation up to model.max_seq_len does
-    (note,) = warnings(make_config({"model.sliding_window": 256}))
+    (note,) = config_warnings(make_config({"model.sliding_window": 256}))
     assert note.startswith("model.sliding_window=256 is at least model.max_seq_len=256")
 
 
@@ -252,8 +258,8 @@ def test_hugging_face_window_fields_both_ways():
 
 def zero_params(config) -> dict:
     """Zero parameters in the model layout, shaped from the export table (no model built)."""
-    from jaxtron.hf.translate import _dims, _export_arch
     from jaxtron.hf.tensors import tensor_table
+    from jaxtron.hf.translate import _dims, _export_arch
 
     params = {}
     for _, path, _, shape, _ in tensor_table(_dims(config, _export_arch(config))):

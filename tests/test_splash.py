@@ -5,15 +5,13 @@ padding to 128-wide tiles, bottom-right causal masks, grouped-query heads and pa
 Each case compares the output and the gradients of q, k and v.
 """
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_flash import inputs, output_and_grads, packed
 
 from jaxtron.kernels.reference import reference_attention
 from jaxtron.kernels.splash import splash_attention
-
-from test_flash import inputs, output_and_grads, packed
 
 
 def check(q, k, v, cotangent, *, causal, segment_ids=None, tol=1e-5, max_block=128):

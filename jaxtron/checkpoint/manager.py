@@ -22,21 +22,31 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
+from flax import struct
+from jax.experimental import multihost_utils
 from orbax.checkpoint._src.metadata import array_metadata_store
 from orbax.checkpoint._src.serialization import type_handler_registry
 
+from jaxtron.checkpoint.fingerprint import fingerprints
 from jaxtron.config.loading import config_to_dict
 from jaxtron.config.schema import Config
 from jaxtron.errors import JaxtronError
-from jaxtron.checkpoint.fingerprint import fingerprints, mismatches
 
 # Fields that change the shape or meaning of the parameters: a mismatch cannot be restored.
 MODEL_FIELDS = ("type", "num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim",
                 "mlp_dim", "vocab_size", "max_seq_len", "param_dtype")
 MOE_FIELDS = ("num_experts", "expert_mlp_dim", "every", "shared_experts")
+
+
+@struct.dataclass
+class SavedParams:
+    """The part of a saved train state that export and generation read."""
+    params: Any
 
 
 class CheckpointError(JaxtronError):
@@ -51,21 +61,20 @@ def _everywhere(ok: bool) -> bool:
     """Whether `ok` holds in every process (the same answer everywhere)."""
     if jax.process_count() == 1:
         return ok
-    import numpy as np
-    from jax.experimental import multihost_utils
     return bool(np.min(multihost_utils.process_allgather(np.int32(ok))))
 
 
-def _check_same_arrays(saved: dict, abstract_state, where: Path) -> None:
+def _check_same_arrays(saved: dict, abstract_state, where: Path, subset: bool = False) -> None:
     """The checkpoint's arrays (named by its fingerprints) against this run's state: a
-    different set means different settings, not damage."""
+    different set means different settings, not damage. `subset`: the state asked for is part
+    of what was saved (the parameters alone)."""
     if not isinstance(saved, dict):
         raise DamagedCheckpoint(f"the fingerprints in {where / 'checksums'} are not a JSON "
                                 "object: the checkpoint is damaged; delete that folder, or set "
                                 "train.resume=archive to start afresh.")
     paths = {jax.tree_util.keystr(p) for p, _ in
              jax.tree_util.tree_leaves_with_path(abstract_state)}
-    if set(saved) != paths:
+    if (paths - set(saved)) if subset else (set(saved) != paths):
         extra, missing = sorted(set(saved) - paths), sorted(paths - set(saved))
         raise CheckpointError(
             f"the checkpoint at {where} holds a different train state ({len(extra)} arrays "
@@ -165,6 +174,21 @@ class Checkpointer:
     def restore(self, step: int, abstract_state, config: Config):
         """-> (state, data_state), the state placed as `abstract_state`'s shardings say, after
         checking its fingerprints against those saved with it."""
+        restored = self._verified(step, config, abstract_state, {
+            "state": ocp.args.StandardRestore(abstract_state), "data": ocp.args.JsonRestore()})
+        return restored["state"], restored["data"]
+
+    def restore_params(self, step: int, abstract_params, config: Config):
+        """The parameters alone (no optimizer state), placed as `abstract_params` says and
+        checked against their fingerprints: what export and generation read."""
+        target = SavedParams(params=abstract_params)
+        placement = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding), target)
+        return self._verified(step, config, target, {"state": ocp.args.PyTreeRestore(
+            target, restore_args=placement, partial_restore=True)}, subset=True)["state"].params
+
+    def _verified(self, step: int, config: Config, target, items: dict, subset: bool = False):
+        """Read `items` of `step` after checking the checkpoint fits `config`, and check the
+        state read back against the fingerprints saved with it."""
         where = self.directory / str(step)
         check_compatible(self.saved_config(step), config, where)
         _check_same_fp8_state(self.saved_config(step), config, where)
@@ -172,17 +196,16 @@ class Checkpointer:
         saved = self._read(step, where, checksums=ocp.args.JsonRestore())["checksums"] \
             if verified else None
         if verified:
-            _check_same_arrays(saved, abstract_state, where)
-        items = {"state": ocp.args.StandardRestore(abstract_state),
-                 "data": ocp.args.JsonRestore()}
+            _check_same_arrays(saved, target, where, subset)
         restored = self._read(step, where, **items)
-        bad = mismatches(saved, restored["state"]) if verified else []
+        now = fingerprints(restored["state"]) if verified else {}
+        bad = sorted(k for k in now if saved.get(k) != now[k])
         if bad:
             raise DamagedCheckpoint(
                 f"the checkpoint at {where} does not hold what was saved: {len(bad)} arrays "
                 f"differ from their fingerprints ({', '.join(bad[:3])}); the files are "
                 "damaged: delete that folder, or set train.resume=archive to start afresh.")
-        return restored["state"], restored["data"]
+        return restored
 
     def _read(self, step: int, where: Path, **items):
         try:
@@ -233,8 +256,7 @@ class Checkpointer:
                 (self.directory / str(step)).rename(target)
                 print(f"note: moved the damaged checkpoint to {target}", flush=True)
         if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-            multihost_utils.sync_global_devices("jaxtron: damaged checkpoints set aside")
+                    multihost_utils.sync_global_devices("jaxtron: damaged checkpoints set aside")
         self.manager.reload()
 
     def wait(self) -> None:

@@ -204,3 +204,12 @@ def config_to_dict(config) -> dict:
 
 def dump_config(config: Config) -> str:
     return yaml.safe_dump(config_to_dict(config), sort_keys=False)
+
+
+def single_device_config(config: Config) -> Config:
+    """The same model on one device: every parallel degree 1."""
+    raw = config_to_dict(config)
+    raw["mesh"] = {}
+    raw["pipeline"] = {}
+    raw["optim"]["zero_stage"] = 0
+    return config_from_dict(raw)

@@ -50,12 +50,6 @@ def local_platform() -> str:
     return platform_of(jax.devices()[0])
 
 
-def cudnn_present() -> bool:
-    """Whether cuDNN can be traced here: only on a machine whose devices are CUDA GPUs (JAX's
-    cuDNN attention checks the library's version while tracing)."""
-    return local_platform() == "cuda"
-
-
 @contextlib.contextmanager
 def building_for(platform: str) -> Iterator[None]:
     """Trace inside this to build for `platform` (see the module docstring)."""
@@ -87,19 +81,10 @@ def compute_dtype(dtype: str, platform: str) -> str:
 
 def for_platform(config, platform: str):
     """`config` with its platform-dependent defaults resolved for `platform`, after checking
-    the choices that cannot work there (each error names the field and the fix)."""
+    the dtype can run there (the attention kernel's own checks: `kernels/choice.py`)."""
     check_platform(platform)
     m = config.model
     dtype = compute_dtype(m.dtype, platform)
-    if m.attention_impl == "cudnn":
-        if platform != "cuda":
-            raise ConfigError(f"model.attention_impl=cudnn needs an NVIDIA GPU (CUDA), but the "
-                              f"step is built for {platform}; use model.attention_impl=auto "
-                              "or pallas.")
-        if dtype not in ("bfloat16", "float16"):
-            raise ConfigError(f"model.attention_impl=cudnn needs bf16 or fp16 compute, but "
-                              f"model.dtype is {dtype}; set model.dtype=bfloat16 (or auto), or "
-                              "model.attention_impl=auto to use the Pallas kernel at fp32.")
     if platform == "tpu" and dtype == "float16":
         raise ConfigError("model.dtype=float16 is not a TPU compute type; set model.dtype="
                           "bfloat16 (or auto).")

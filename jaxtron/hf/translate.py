@@ -56,9 +56,17 @@ import numpy as np
 
 from jaxtron.config.schema import COMPUTE_DTYPES, Config
 from jaxtron.errors import ConfigError, DataError
-from jaxtron.hf.arch import (DEEPSEEK_V3, DEFAULTS, LLAMA, MISTRAL, MIXTRAL, MODEL_TYPES, QWEN2,
-                             QWEN3, QWEN3_MOE)
-from jaxtron.hf.files import load_hf_dir, save_hf_dir  # noqa: F401  (the module's API)
+from jaxtron.hf.arch import (
+    DEEPSEEK_V3,
+    DEFAULTS,
+    LLAMA,
+    MISTRAL,
+    MIXTRAL,
+    MODEL_TYPES,
+    QWEN2,
+    QWEN3,
+    QWEN3_MOE,
+)
 from jaxtron.hf.rope import rope_from_hf, rope_theta, rope_to_hf
 from jaxtron.hf.tensors import FLAT, deepseek_rows, hf_shape, tensor_table
 

@@ -1,29 +1,15 @@
-"""The one attention entry point the model calls, and which kernel runs on which platform.
+"""The one attention entry point the model calls; which kernel runs is `choice.py`'s decision.
 
-`model.attention_impl` states a preference; the kernel that runs depends on the platform the
-step is lowered for (`jaxtron.config.platforms`), the compute dtype and the head dim:
-
-| impl     | cpu              | cuda                                  | rocm   | tpu    |
-|----------|------------------|---------------------------------------|--------|--------|
-| `auto`   | xla (blockwise)  | cuDNN where it serves, else Triton    | Triton | splash |
-| `pallas` | Pallas, interpreted | Triton                             | Triton | splash |
-| `xla`    | xla              | xla                                   | xla    | xla    |
-| `cudnn`  | error            | cuDNN                                 | error  | error  |
-
-cuDNN serves bf16/fp16 with a head dim that is a multiple of 8 and at most 128 (256 on Hopper),
-without packed segments (JAX's cuDNN call takes no segment ids). Triton is our flash attention
-(`flash.py`), splash is JAX's TPU kernel (`splash.py`), xla is plain XLA (`blockwise.py` for
-causal self-attention, else `reference.py`).
-
-Which platform: a Trainer traces its steps for one (`platforms.building_for`: its mesh's
-devices, or the `--dry-run --target` being checked), and the kernel is chosen while tracing.
-Traced anywhere else, `attention` stages every platform's kernel with
+Cuda, rocm, tpu or cpu: a Trainer traces its steps for one platform (`platforms.building_for`:
+its mesh's devices, or the `--dry-run --target` being checked), and the kernel is chosen while
+tracing. Traced anywhere else, `attention` stages every platform's kernel with
 `jax.lax.platform_dependent` and lowering keeps only the branch of the platform it lowers for,
 so one jitted function lowers to blockwise XLA for CPU, Triton for CUDA and ROCm and splash for
 TPU, on whatever machine traces it. (Trainers avoid that form: under autodiff the branches'
 residuals are joined, and XLA then keeps a q-sized stacked buffer per layer that only another
-platform's kernel needed.) cuDNN can only be traced where cuDNN is installed, so on a machine
-without it the CUDA kernel is Triton.
+platform's kernel needed.) Triton is our flash attention (`flash.py`), splash is JAX's TPU
+kernel (`splash.py`), xla is plain XLA (`blockwise.py` for causal self-attention, else
+`reference.py`).
 
 Values may be narrower or wider than queries and keys (multi-head latent attention: K = 192,
 V = 128 in DeepSeek-V3). XLA (blockwise and reference) and ring attention take that as it is;
@@ -47,94 +33,24 @@ kernels run per device (`per_device.py`); cuDNN and XLA are partitioned by GSPMD
 
 from __future__ import annotations
 
-import enum
 import functools
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxtron.config.platforms import PLATFORMS, target_platform
 from jaxtron.errors import ConfigError
 from jaxtron.kernels.blockwise import blockwise_causal_attention
+from jaxtron.kernels.choice import AttentionImpl, Kernel, choose, cudnn_present
 from jaxtron.kernels.context_gather import gathered_context_attention
 from jaxtron.kernels.flash import flash_attention
 from jaxtron.kernels.per_device import per_device
 from jaxtron.kernels.reference import check_window, reference_attention
 from jaxtron.kernels.ring import ring_attention
 from jaxtron.kernels.splash import splash_attention
-from jaxtron.config.platforms import PLATFORMS, compute_dtype, cudnn_present, target_platform
 from jaxtron.sharding.rules import active_mesh, manual_axes
 from jaxtron.sharding.zigzag import zigzag_ring
-
-
-class AttentionImpl(str, enum.Enum):
-    """What `model.attention_impl` asks for."""
-    AUTO = "auto"
-    XLA = "xla"
-    CUDNN = "cudnn"
-    PALLAS = "pallas"
-
-
-class Kernel(str, enum.Enum):
-    """What actually runs."""
-    XLA = "xla"
-    CUDNN = "cudnn"
-    TRITON = "pallas-triton"
-    INTERPRET = "pallas-interpret"
-    SPLASH = "splash"
-    RING = "ring"
-
-
-def cudnn_serves(dtype, head_dim: int, segments: bool, hopper: bool = False) -> bool:
-    """Whether JAX's cuDNN flash attention takes these inputs (its own checks, restated)."""
-    return (jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and head_dim % 8 == 0
-            and head_dim <= (256 if hopper else 128) and not segments)
-
-
-def _hopper_here() -> bool:
-    capability = getattr(jax.devices()[0], "compute_capability", "0")
-    return float(capability) >= 9.0
-
-
-def kernel_for(impl, platform: str, *, dtype, head_dim: int, segments: bool = False,
-               cudnn_here: bool = True) -> Kernel:
-    """The kernel `impl` runs as on `platform` for these inputs. `cudnn_here`: whether cuDNN
-    can be traced in this process (False when lowering for CUDA on another machine)."""
-    impl = AttentionImpl(impl)
-    hopper = cudnn_here and platform == "cuda" and cudnn_present() and _hopper_here()
-    if impl is AttentionImpl.XLA:
-        return Kernel.XLA
-    if impl is AttentionImpl.CUDNN:
-        if platform != "cuda" or not cudnn_here:
-            raise ConfigError(f"model.attention_impl=cudnn needs an NVIDIA GPU with cuDNN, but "
-                              f"the step is built for {platform} on a machine without it; use "
-                              "model.attention_impl=auto or pallas.")
-        if segments:  # packed documents: not expressible through jax.nn's cuDNN arguments
-            return Kernel.TRITON
-        if not cudnn_serves(dtype, head_dim, segments, hopper):
-            raise ConfigError(f"model.attention_impl=cudnn cannot take {jnp.dtype(dtype).name} "
-                              f"with head dim {head_dim} (cuDNN needs bf16/fp16 and a head dim "
-                              "that is a multiple of 8 up to 128, 256 on Hopper); use "
-                              "model.attention_impl=auto.")
-        return Kernel.CUDNN
-    if platform == "tpu":
-        return Kernel.SPLASH
-    if platform in ("cuda", "rocm"):
-        if (impl is AttentionImpl.AUTO and platform == "cuda" and cudnn_here
-                and cudnn_serves(dtype, head_dim, segments, hopper)):
-            return Kernel.CUDNN
-        return Kernel.TRITON
-    return Kernel.XLA if impl is AttentionImpl.AUTO else Kernel.INTERPRET
-
-
-def configured_kernel(config, platform: str, cudnn_here: bool = True) -> Kernel:
-    """The kernel a config's model runs on `platform` (for reports and FLOP counts)."""
-    if config.mesh.sequence > 1:
-        return Kernel.RING
-    m = config.model
-    return kernel_for(m.attention_impl, platform, dtype=compute_dtype(m.dtype, platform),
-                      head_dim=max(m.qk_head_dim, m.value_head_dim), cudnn_here=cudnn_here,
-                      segments=config.data.packing == "documents")
 
 
 def attention(q, k, v, *, causal: bool = True, segment_ids=None, impl="auto",
@@ -161,16 +77,19 @@ def attention(q, k, v, *, causal: bool = True, segment_ids=None, impl="auto",
     # JAX's cuDNN mask is top-left aligned; with fewer queries than keys every other kernel
     # aligns bottom-right, so such calls do not go to cuDNN (as with packed segments).
     unaligned = causal and q.shape[1] != k.shape[1]
-    choose = functools.partial(kernel_for, impl, dtype=q.dtype,
-                               head_dim=max(q.shape[-1], v.shape[-1]),
-                               segments=segment_ids is not None or unaligned,
-                               cudnn_here=cudnn_present())
+    kernel_on = functools.partial(choose, impl, dtype=q.dtype,
+                                  head_dim=max(q.shape[-1], v.shape[-1]),
+                                  segments=segment_ids is not None or unaligned)
     run = functools.partial(_run, causal=causal, mesh=mesh, window=window)
-    if impl is AttentionImpl.CUDNN:
-        return run(choose("cuda"), q, k, v, segment_ids)
-    if target_platform() is not None:
-        return run(choose(target_platform()), q, k, v, segment_ids)
-    kernels = {platform: choose(platform) for platform in PLATFORMS}
+    platform = target_platform()
+    if impl is AttentionImpl.CUDNN and platform is None:  # a call outside a Trainer
+        if not cudnn_present():
+            raise ConfigError("attention(impl='cudnn') needs an NVIDIA GPU with cuDNN, and "
+                              "this machine has none; use impl='auto' or 'pallas'.")
+        platform = "cuda"
+    if platform is not None:
+        return run(kernel_on(platform), q, k, v, segment_ids)
+    kernels = {platform: kernel_on(platform) for platform in PLATFORMS}
     branches = {kernel: functools.partial(run, kernel)
                 for kernel in set(kernels.values()) | {Kernel.XLA}}
     if len(set(kernels.values())) == 1:

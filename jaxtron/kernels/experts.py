@@ -11,11 +11,10 @@ second all-to-all returns the outputs to the ranks that own the tokens (GShard, 
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from jaxtron.kernels.fp8 import einsum
 from jaxtron.kernels.activations import swiglu
+from jaxtron.kernels.fp8 import einsum
 from jaxtron.sharding.rules import active_mesh, active_spec, manual_axes, shard_map_mesh
 
 AXIS = "expert"

@@ -37,8 +37,15 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 
 from jaxtron.kernels.blockwise import ATTENTION_LSE, ATTENTION_OUT
-from jaxtron.kernels.flash_backward import (MASK_VALUE, Tiling, dot, flash_backward,
-                                            k_block_end, k_block_start, tile_mask)
+from jaxtron.kernels.flash_backward import (
+    MASK_VALUE,
+    Tiling,
+    dot,
+    flash_backward,
+    k_block_end,
+    k_block_start,
+    tile_mask,
+)
 from jaxtron.kernels.reference import check_window
 
 # Interpret mode executes every grid step as a loop iteration on the host: small tiles keep

@@ -29,8 +29,8 @@ import time
 import jax
 import jax.numpy as jnp
 
-from jaxtron.kernels.attention import attention
 from jaxtron.config.platforms import local_platform
+from jaxtron.kernels.attention import attention
 
 IMPLS = ("xla", "cudnn", "pallas", "jax-triton")
 MODES = ("fwd", "fwd+bwd")

@@ -6,7 +6,3 @@ Shape suffixes in names use one letter per dimension:
     K head dim     F mlp hidden           V vocabulary        N layers
 so `q_BxLxHxK` is a query tensor of shape [batch, seq, heads, head_dim].
 """
-
-from jaxtron.models.transformer import Transformer, cross_entropy_loss
-
-__all__ = ["Transformer", "cross_entropy_loss"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxtron.config.schema import MoEConfig, ModelConfig
+from jaxtron.config.schema import ModelConfig, MoEConfig
 from jaxtron.models.layers import MLP, Attention, make_norm
 from jaxtron.models.mla import MLAttention
 from jaxtron.models.moe import MoE

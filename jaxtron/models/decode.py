@@ -31,8 +31,8 @@ from flax import nnx
 
 from jaxtron.config.schema import ModelConfig
 from jaxtron.kernels.reference import visible_keys
-from jaxtron.models.blocks import Block
 from jaxtron.models import mla
+from jaxtron.models.blocks import Block
 from jaxtron.models.layers import Attention
 
 

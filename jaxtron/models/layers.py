@@ -12,10 +12,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxtron.config.schema import ModelConfig
-from jaxtron.kernels import attention
+from jaxtron.kernels.activations import gelu_tanh, swiglu
+from jaxtron.kernels.attention import attention
 from jaxtron.kernels.fp8 import einsum
 from jaxtron.models import rope
-from jaxtron.kernels.activations import gelu_tanh, swiglu
 from jaxtron.models.token_positions import PLAIN, TokenPositions
 from jaxtron.sharding.rules import constrain
 

@@ -37,9 +37,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxtron.config.schema import ModelConfig
-from jaxtron.kernels import attention
-from jaxtron.kernels.reference import visible_keys
+from jaxtron.kernels.attention import attention
 from jaxtron.kernels.fp8 import einsum
+from jaxtron.kernels.reference import visible_keys
 from jaxtron.models import rope
 from jaxtron.models.layers import fp8_histories, fp8_history, normal, param, rotary
 from jaxtron.models.token_positions import PLAIN, TokenPositions

@@ -41,11 +41,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxtron.config.schema import MoEConfig, ModelConfig
-from jaxtron.kernels.fp8 import grouped_matmul
+from jaxtron.config.schema import ModelConfig, MoEConfig
 from jaxtron.kernels.activations import swiglu
-from jaxtron.models.layers import MLP, normal, param
 from jaxtron.kernels.experts import expert_ffn, expert_parallel_active
+from jaxtron.kernels.fp8 import grouped_matmul
+from jaxtron.models.layers import MLP, normal, param
 from jaxtron.sharding.rules import constrain, mean_over_batch_shards
 
 

@@ -7,7 +7,7 @@ parallelism reorders each row once per step (`jaxtron.sharding.zigzag`): then th
 a permutation, and the MoE capacity mode, which lets earlier tokens claim expert slots first,
 needs each token's index in the row's natural order (`order`).
 
-A model called without a layout sees the plain case: positions 0..L-1, one document per row,
+A model called without token positions sees the plain case: positions 0..L-1, one document per row,
 natural order.
 """
 

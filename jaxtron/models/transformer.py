@@ -10,6 +10,18 @@ work.
 Llama: RMSNorm, RoPE, SwiGLU, grouped-query attention, untied embeddings (Touvron et al. 2023).
 GPT-2: LayerNorm, learned positions, GELU, tied embeddings (Radford et al. 2019).
 
+The model is composed in one place, from three pieces that a pipeline runs on its stages too
+(`jaxtron.training.stages`):
+
+    embed       token (and position) embeddings, then the dense prefix (DeepSeek-V3's first
+                dense layers): the first end
+    run_stack   a run of the stacked blocks, the whole stack or one stage's share, and its
+                share of the MoE statistics and auxiliary losses
+    head_loss   final norm, output head and loss, plus multi-token prediction: the last end
+
+`Transformer.loss` is head_loss(run_stack(embed(tokens))); a model change written in a piece
+reaches both.
+
 Tokens may come with a `TokenPositions` (`token_positions.py`): positions that restart at each
 document of a packed row and the segment ids that keep attention inside a document, or the
 permutation context parallelism applies once per step (`jaxtron.sharding.zigzag`), which RoPE,
@@ -24,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxtron.config.schema import MoEConfig, ModelConfig
+from jaxtron.config.schema import ModelConfig, MoEConfig
 from jaxtron.kernels.blockwise import ATTENTION_RESIDUALS
 from jaxtron.kernels.cross_entropy import chunked_cross_entropy
 from jaxtron.models.blocks import MOE_STATS, Block, BlockGroup
@@ -180,33 +192,63 @@ class Transformer(nnx.Module):
         x_BxLxD, aux = self._trunk(tokens_BxL, token_pos)
         return self.head(x_BxLxD, self.embedder.embed[...]), aux
 
-    def loss(self, tokens_BxL, targets_BxL, token_pos: TokenPositions = PLAIN, weights_BxL=None):
+    def loss(self, tokens_BxL, targets_BxL, token_pos: TokenPositions = PLAIN,
+             weights_BxL=None):
         """-> (mean next-token loss, aux) without returning logits (see Head.loss)."""
         x_BxLxD, aux = self._trunk(tokens_BxL, token_pos)
-        table = self.embedder.embed[...]
-        loss = self.head.loss(x_BxLxD, targets_BxL, table, weights_BxL)
-        if self.cfg.mtp_depth:
-            aux = dict(aux)
-            aux["mtp_loss"] = self.mtp.mean_loss(
-                x_BxLxD, tokens_BxL, targets_BxL, embed=self.embedder,
-                head_loss=lambda h, t, w: self.head.loss(h, t, table, w),
-                token_pos=token_pos, weights_BxL=weights_BxL)
-            aux["weighted_terms"] = [*aux.get("weighted_terms", []),
-                                     self.cfg.mtp_loss_coef * aux["mtp_loss"]]
-        return loss, aux
+        loss, last = head_loss(self.cfg, self.head, getattr(self, "mtp", None), x_BxLxD,
+                               tokens_BxL, targets_BxL, token_pos, weights_BxL,
+                               self.embedder.embed[...], self.embedder)
+        return loss, merge_aux(aux, last)
 
     def _trunk(self, tokens_BxL, token_pos: TokenPositions):
-        positions = None if token_pos.positions is None and token_pos.order is None else \
-            token_pos.positions_for(tokens_BxL.shape[1])
-        x_BxLxD = self.embedder(tokens_BxL, positions)
-        if hasattr(self, "dense_blocks"):
-            graphdef, stacked = nnx.split(self.dense_blocks)
-            x_BxLxD, _ = run_blocks(self.cfg, graphdef, stacked, x_BxLxD, token_pos=token_pos)
-        graphdef, stacked = nnx.split(self.blocks)
-        x_BxLxD, stats = run_blocks(self.cfg, graphdef, stacked, x_BxLxD, token_pos=token_pos)
-        if self.moe is None:
-            return x_BxLxD, {}
-        return x_BxLxD, moe_aux(self.cfg, self.moe, stats)
+        x_BxLxD = embed(self.cfg, self.embedder, getattr(self, "dense_blocks", None), tokens_BxL,
+                        token_pos)
+        return run_stack(self.cfg, self.moe, self.blocks, x_BxLxD, token_pos)
+
+
+def embed(cfg: ModelConfig, embedder: Embedder, dense_blocks, tokens_BxL,
+          token_pos: TokenPositions = PLAIN):
+    """The first end: token (and learned position) embeddings, then the dense prefix if the
+    model has one (`dense_blocks`, else None)."""
+    positions = None if token_pos.positions is None and token_pos.order is None else \
+        token_pos.positions_for(tokens_BxL.shape[1])
+    x_BxLxD = embedder(tokens_BxL, positions)
+    if dense_blocks is not None:
+        x_BxLxD, _ = run_blocks(cfg, *nnx.split(dense_blocks), x_BxLxD, token_pos=token_pos)
+    return x_BxLxD
+
+
+def run_stack(cfg: ModelConfig, moe: MoEConfig | None, blocks, x_BxLxD,
+              token_pos: TokenPositions = PLAIN, active_N=None):
+    """A run of stacked blocks -> (x, aux): the whole stack, or a pipeline stage's share of it
+    (`active_N` masks the stage's padding units, see `run_blocks`). aux holds this run's share
+    of the MoE statistics and auxiliary losses (`moe_aux`), {} for a dense model."""
+    x_BxLxD, stats = run_blocks(cfg, *nnx.split(blocks), x_BxLxD, active_N, token_pos)
+    return x_BxLxD, ({} if moe is None else moe_aux(cfg, moe, stats))
+
+
+def head_loss(cfg: ModelConfig, head: Head, mtp, x_BxLxD, inputs_BxL, targets_BxL,
+              token_pos: TokenPositions, weights_BxL, table_VxD, embedder):
+    """The last end -> (mean next-token loss, aux): the head's loss (tied to `table_VxD` with
+    `model.tied_embeddings`), and with multi-token prediction (`mtp`, else None) its mean loss
+    in aux, weighted into `weighted_terms`; `embedder` embeds the tokens ahead it reads."""
+    loss = head.loss(x_BxLxD, targets_BxL, table_VxD, weights_BxL)
+    if mtp is None:
+        return loss, {}
+    mtp_loss = mtp.mean_loss(x_BxLxD, inputs_BxL, targets_BxL, embed=embedder,
+                             head_loss=lambda h, t, w: head.loss(h, t, table_VxD, w),
+                             token_pos=token_pos, weights_BxL=weights_BxL)
+    return loss, {"mtp_loss": mtp_loss, "weighted_terms": [cfg.mtp_loss_coef * mtp_loss]}
+
+
+def merge_aux(*auxes: dict) -> dict:
+    """Pieces' aux dicts as one: their `weighted_terms` joined, other entries side by side."""
+    merged = {}
+    for aux in auxes:
+        merged.update({k: v for k, v in aux.items() if k != "weighted_terms"})
+    terms = [term for aux in auxes for term in aux.get("weighted_terms", [])]
+    return {**merged, "weighted_terms": terms} if terms else merged
 
 
 def moe_aux(cfg: ModelConfig, moe: MoEConfig, stats: dict) -> dict:

@@ -20,8 +20,8 @@ import argparse
 import sys
 
 from jaxtron.pipeline import table_check, timeline, zero_bubble
-from jaxtron.pipeline.ticks import Table, render
 from jaxtron.pipeline.schedules import SCHEDULES, SPLIT_SCHEDULES, build_table
+from jaxtron.pipeline.ticks import Table, render
 
 
 def main(argv=None) -> int:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxtron.pipeline.ticks import BACKWARD, FORWARD, IDLE, INPUT_GRAD, Table, WEIGHT_GRAD
+from jaxtron.pipeline.ticks import BACKWARD, FORWARD, IDLE, INPUT_GRAD, WEIGHT_GRAD, Table
 
 
 def job_units(recompute: bool) -> dict[int, float]:

@@ -24,8 +24,16 @@ stash slot, from which W forms the weight gradients.
 
 from __future__ import annotations
 
-from jaxtron.pipeline.ticks import (FORWARD, INPUT_GRAD, WEIGHT_GRAD, Action, Table,
-                                    assign_slots, owner, virtual_stage)
+from jaxtron.pipeline.ticks import (
+    FORWARD,
+    INPUT_GRAD,
+    WEIGHT_GRAD,
+    Action,
+    Table,
+    assign_slots,
+    owner,
+    virtual_stage,
+)
 
 
 def split_orders(stages: int, microbatches: int) -> list[list[Action]]:

@@ -17,12 +17,12 @@ import functools
 import math
 
 from jaxtron.config.schema import Config
-from jaxtron.training.flops import hardware_flops_per_token, training_flops_per_token
+from jaxtron.pipeline.timeline import weighted_idle
 from jaxtron.planner.hardware import Hardware
 from jaxtron.planner.layout import Layout
 from jaxtron.planner.memory import schedule_table
 from jaxtron.planner.traffic import communication
-from jaxtron.pipeline.timeline import weighted_idle
+from jaxtron.training.flops import hardware_flops_per_token, training_flops_per_token
 
 AXES = ("stage", "data", "fsdp", "expert", "sequence", "tensor")
 # `save_dots` also repeats the elementwise work (norms, activations, softmax): a few percent of

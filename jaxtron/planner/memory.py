@@ -45,6 +45,8 @@ from flax import nnx
 
 from jaxtron.config.schema import Config
 from jaxtron.errors import ConfigError
+from jaxtron.models.moe import capacity
+from jaxtron.models.transformer import Transformer
 from jaxtron.pipeline.schedules import build_table
 from jaxtron.planner.layout import Layout
 from jaxtron.sharding.rules import logical_names, optimizer_rules, param_rules
@@ -68,7 +70,6 @@ def _parameter_shapes(model_key) -> list[tuple[tuple[int, ...], tuple, int, bool
     """(shape, logical names, bytes per element, whether in the repeated block stack) of every
     parameter of the model (a dense prefix is stacked too, but a pipeline treats it as an end:
     gathered whole for the first stage)."""
-    from jaxtron.models import Transformer
 
     model_config, moe_config = model_key
     abstract = nnx.eval_shape(lambda: Transformer(model_config, rngs=nnx.Rngs(0), moe=moe_config))
@@ -192,7 +193,6 @@ def _slotted(config: Config, layout: Layout) -> bool:
 
 
 def _capacity(config: Config, layout: Layout) -> int:
-    from jaxtron.models.moe import capacity
     moe, length = config.moe, config.data.seq_len
     if moe.mode == "dropless":
         return length

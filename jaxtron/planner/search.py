@@ -16,13 +16,13 @@ import dataclasses
 import itertools
 
 from jaxtron.config.checks import check_layout
+from jaxtron.config.platforms import for_platform
 from jaxtron.config.schema import Config
 from jaxtron.errors import ConfigError
 from jaxtron.planner.cost import Cost, estimate
 from jaxtron.planner.hardware import Hardware
 from jaxtron.planner.layout import Layout, apply
 from jaxtron.planner.memory import Memory, predict
-from jaxtron.config.platforms import for_platform
 
 REMATS = ("none", "save_dots", "full")
 

@@ -54,8 +54,14 @@ import numpy as np
 
 from jaxtron.config.schema import Config
 from jaxtron.planner.layout import Layout
-from jaxtron.planner.memory import (end_bytes, expert_gradient_bytes, microbatch_sequences,
-                                    microbatch_tokens, schedule_table, state_bytes)
+from jaxtron.planner.memory import (
+    end_bytes,
+    expert_gradient_bytes,
+    microbatch_sequences,
+    microbatch_tokens,
+    schedule_table,
+    state_bytes,
+)
 
 AXES = ("stage", "data", "fsdp", "expert", "sequence", "tensor")
 

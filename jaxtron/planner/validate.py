@@ -22,6 +22,8 @@ from jaxtron.config.schema import Config
 from jaxtron.planner.layout import Layout, apply
 from jaxtron.planner.memory import predict
 from jaxtron.planner.traffic import AXES, communication
+from jaxtron.sharding.collectives import count_collectives
+from jaxtron.training.trainer import Trainer
 
 BASE = ["model.num_layers=4", "model.d_model=128", "model.num_heads=4", "model.num_kv_heads=2",
         "model.mlp_dim=512", "model.vocab_size=256", "data.seq_len=128", "train.batch_size=16"]
@@ -91,8 +93,6 @@ class Row:
 
 def compiled(config: Config):
     """(per-device arguments + peak temporaries, Traffic) of the compiled step."""
-    from jaxtron.sharding.collectives import count_collectives
-    from jaxtron.training.trainer import Trainer
 
     trainer = Trainer(config)
     step = trainer.compile_step(trainer.abstract_state(), trainer.abstract_batch())

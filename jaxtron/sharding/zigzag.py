@@ -72,7 +72,7 @@ def zigzag_ring() -> int | None:
 def in_zigzag_order(loss: Callable, n: int) -> Callable:
     """loss(inputs_BxL, targets_BxL, token_pos, weights_BxL) -> loss of the same arguments in
     natural order, evaluated with the sequence in zig-zag order for a ring of n: inputs,
-    targets, loss weights, positions and segment ids permuted alike, the token_pos told each
+    targets, loss weights, positions and segment ids permuted alike, the token positions told each
     token's natural index (`order`), and the attention kernel told so. `loss` must be a mean
     (or any function) over tokens that does not depend on their order."""
 
@@ -85,7 +85,8 @@ def in_zigzag_order(loss: Callable, n: int) -> Callable:
         positions = token_pos.positions
         positions = order_L if positions is None else (
             positions[order_L] if positions.ndim == 1 else zigzag(positions))
-        token_pos = token_pos.replace(positions=positions, segment_ids=zigzag(token_pos.segment_ids),
+        token_pos = token_pos.replace(positions=positions,
+                                      segment_ids=zigzag(token_pos.segment_ids),
                                 order=order_L)
         with zigzag_ordered(n):
             return loss(zigzag(inputs_BxL), zigzag(targets_BxL), token_pos, zigzag(weights_BxL))

@@ -20,14 +20,13 @@ from __future__ import annotations
 import dataclasses
 
 from jaxtron.config.loading import config_from_dict, config_to_dict
+from jaxtron.config.platforms import for_platform
 from jaxtron.config.schema import Config
-from jaxtron.errors import ConfigError
-from jaxtron.errors import JaxtronError
+from jaxtron.errors import ConfigError, JaxtronError
 from jaxtron.planner.hardware import Hardware
 from jaxtron.planner.layout import layout_of
 from jaxtron.planner.memory import predict
 from jaxtron.planner.search import is_legal, plan
-from jaxtron.config.platforms import for_platform
 from jaxtron.sharding.mesh import resolve_degrees
 
 

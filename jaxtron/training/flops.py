@@ -22,9 +22,9 @@ import time
 import jax
 import jax.numpy as jnp
 
-from jaxtron.config.schema import MoEConfig, ModelConfig
-from jaxtron.kernels.attention import Kernel, configured_kernel
 from jaxtron.config.platforms import local_platform
+from jaxtron.config.schema import ModelConfig, MoEConfig
+from jaxtron.kernels.choice import Kernel, configured_kernel
 
 # Dense bf16 tensor-core peaks per device, FLOP/s (vendor datasheets, without sparsity).
 PEAK_FLOPS_BY_KIND = {

@@ -1,4 +1,5 @@
-"""AdamW with the learning-rate schedule of `jaxtron.training.lr_schedule` and global-norm clipping (optax).
+"""AdamW (or Muon) with the learning-rate schedule of `lr_schedule.py` and global-norm clipping
+(optax).
 
 Weight decay applies to weight matrices only (Megatron's default): parameters that map to or
 from the residual stream, i.e. whose logical axes, less those that stack layers (`layers`, and
@@ -20,9 +21,9 @@ import optax
 from flax import nnx
 
 from jaxtron.config.schema import Config
-from jaxtron.training.muon import muon_directions
-from jaxtron.training.lr_schedule import learning_rate
 from jaxtron.sharding.rules import logical_names
+from jaxtron.training.lr_schedule import learning_rate
+from jaxtron.training.muon import muon_directions
 
 
 def decay_mask(params):

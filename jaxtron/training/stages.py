@@ -1,4 +1,6 @@
-"""The Transformer as the three functions a pipeline runs: embed, a chunk of blocks, head + loss.
+"""The model cut into pipeline stages: the three pieces the model is composed of
+(`models/transformer.py`: `embed`, `run_stack`, `head_loss`) as the functions the pipeline
+engine runs on its ranks, and the parameter layout that splits them over the ranks.
 
 With `mesh.stage > 1` every parameter is kept in a pipeline layout that stores 1/p of the model
 (and of its optimizer state) on each rank:
@@ -14,7 +16,7 @@ both), and returns each gradient slice to its owner after it: no parameter is re
 `model.cross_entropy=chunked` never forms the logits here either. Evaluation runs a forward-only
 schedule through the same stages (`eval_loss`). `to_model_params` restores the model's own
 layout for checkpoints, export and generation. The pipeline package itself knows nothing of the
-model.
+model; this module is where the two meet.
 """
 
 from __future__ import annotations
@@ -26,25 +28,32 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxtron.config.schema import Config
-from jaxtron.models import Transformer
-from jaxtron.models.token_positions import TokenPositions
-from jaxtron.models.transformer import moe_aux, run_blocks
+from jaxtron.models.transformer import Transformer, embed, head_loss, run_stack
 from jaxtron.pipeline.engine import pipeline_loss, pipeline_value_and_grad
 from jaxtron.pipeline.layer_split import join_stages, split_layers, split_over_stages
 from jaxtron.pipeline.schedules import build_table, forward_table
 from jaxtron.sharding.rules import optimizer_rules, param_rules
-from jaxtron.training.step import counted_tokens_mean, model_inputs
+from jaxtron.training.batch import (
+    counted_tokens_mean,
+    model_inputs,
+    split_microbatches,
+    token_positions,
+)
+
 
 def _is_variable(x) -> bool:
     return isinstance(x, nnx.Variable)
 
 
-def _token_layout(tree: dict) -> TokenPositions:
-    """A microbatch's positions and segment ids (absent for plain rows) as the model takes them."""
-    return TokenPositions(positions=tree.get("positions"), segment_ids=tree.get("segment_ids"))
+def _objective(aux: dict) -> dict:
+    """A piece's aux as the engine takes it: the weighted auxiliary losses summed into
+    `objective`, the rest as metrics."""
+    aux = dict(aux)
+    terms = aux.pop("weighted_terms", [])
+    return {"objective": sum(terms, jnp.zeros((), jnp.float32)), **aux}
 
 
-class PipelinedTransformer:
+class StagedModel:
     def __init__(self, config: Config, mesh):
         c = config
         self.config, self.mesh = c, mesh
@@ -59,7 +68,7 @@ class PipelinedTransformer:
         if counts is not None:
             counts = (counts[0] - dense, *counts[1:])
         v_shape = c.pipeline.schedule == "zbv"  # chunks down the ranks and back up
-        self.layout = split_layers(c.moe.stacked_layers(c.model.num_layers) // every, p, v,
+        self.layer_split = split_layers(c.moe.stacked_layers(c.model.num_layers) // every, p, v,
                                    None if counts is None else tuple(n // every for n in counts),
                                    v_shape)
         self.table = build_table(c.pipeline.schedule, p, m, v)
@@ -93,7 +102,7 @@ class PipelinedTransformer:
         def blocks(var):
             # [p, v, Lmax]: the rank, then two axes of the layer stack.
             names = ("stage", "layers") + tuple(var.get_metadata()["out_sharding"])
-            return var.replace(self.layout.to_pipeline(var.get_value()), out_sharding=names)
+            return var.replace(self.layer_split.to_pipeline(var.get_value()), out_sharding=names)
 
         def ends(var, model_var):
             names = tuple(model_var.get_metadata()["out_sharding"])
@@ -106,7 +115,7 @@ class PipelinedTransformer:
     def to_model_params(self, params: nnx.State) -> nnx.State:
         def blocks(var):
             names = tuple(var.get_metadata()["out_sharding"])[2:]
-            return var.replace(self.layout.from_pipeline(var.get_value()), out_sharding=names)
+            return var.replace(self.layer_split.from_pipeline(var.get_value()), out_sharding=names)
 
         def ends(var, model_var):
             return model_var.replace(join_stages(var.get_value(), model_var.shape[0]))
@@ -158,66 +167,51 @@ class PipelinedTransformer:
             tree, name, lambda var, model_var: model_var.replace(
                 var.get_value()[:model_var.shape[0]]))
 
-    # -- the three stage functions -----------------------------------------------------------
+    # -- the three stage functions: the model's pieces on the engine's parameter trees --------
 
     def _first(self, first, shared, inputs):
-        embedder = self._whole(nnx.State({**dict(first["embedder"].items()),
-                                          **dict(shared.items())}), "embedder")
-        x_BxLxD = nnx.merge(self.embedder_def, embedder)(inputs["tokens"],
-                                                         inputs.get("positions"))
-        if "dense_blocks" not in first:
-            return x_BxLxD
-        layout = _token_layout(inputs)
-        return run_blocks(self.config.model, self.dense_def,
-                          self._whole(first["dense_blocks"], "dense_blocks"), x_BxLxD,
-                          layout=layout)[0]
+        embedder = nnx.merge(self.embedder_def, self._whole(nnx.State(
+            {**dict(first["embedder"].items()), **dict(shared.items())}), "embedder"))
+        dense = (nnx.merge(self.dense_def, self._whole(first["dense_blocks"], "dense_blocks"))
+                 if "dense_blocks" in first else None)
+        return embed(self.config.model, embedder, dense, inputs["tokens"],
+                     token_positions(inputs))
 
     def _stage(self, chunk_params, active_L, x_BxLxD, inputs):
-        layout = _token_layout(inputs)
-        x_BxLxD, stats = run_blocks(self.config.model, self.blocks_def, chunk_params, x_BxLxD,
-                                    active_L, layout)
-        if not self.config.moe.enabled:
-            return x_BxLxD, {"objective": jnp.zeros((), jnp.float32)}
-        # This chunk's share of the MoE layers' mean statistics and auxiliary losses.
-        aux = moe_aux(self.config.model, self.config.moe, stats)
-        objective = sum(aux.pop("weighted_terms"), jnp.zeros((), jnp.float32))
-        return x_BxLxD, {"objective": objective, **aux}
+        c = self.config
+        blocks = nnx.merge(self.blocks_def, chunk_params)
+        x_BxLxD, aux = run_stack(c.model, c.moe if c.moe.enabled else None, blocks, x_BxLxD,
+                                 token_positions(inputs), active_L)
+        return x_BxLxD, _objective(aux)
 
     def _last(self, last, shared, x_BxLxD, targets):
         m = self.config.model
         head = nnx.merge(self.head_def, self._whole(last["head"], "head"))
-        table_VxD = None
-        if m.tied_embeddings or m.mtp_depth:
+        table_VxD = embedder = mtp = None
+        if m.tied_embeddings or m.mtp_depth:  # the table reaches this stage as `shared`
             table_VxD = self._whole(shared, "embedder")["embed"][...]
-        head_table = table_VxD if m.tied_embeddings else None
-        weights = targets.get("weights")
-        loss = head.loss(x_BxLxD, targets["targets"], head_table, weights)
-        if not m.mtp_depth:
-            return loss, {"objective": jnp.zeros((), jnp.float32)}
-        embedder = nnx.merge(self.embedder_def, self._whole(shared, "embedder"))
-        mtp = nnx.merge(self.mtp_def, self._whole(last["mtp"], "mtp"))
-        mtp_loss = mtp.mean_loss(
-            x_BxLxD, targets["tokens"], targets["targets"], embed=embedder,
-            head_loss=lambda h, t, w: head.loss(h, t, head_table, w),
-            layout=_token_layout(targets), weights_BxL=weights)
-        return loss, {"objective": m.mtp_loss_coef * mtp_loss, "mtp_loss": mtp_loss}
+        if m.mtp_depth:
+            embedder = nnx.merge(self.embedder_def, self._whole(shared, "embedder"))
+            mtp = nnx.merge(self.mtp_def, self._whole(last["mtp"], "mtp"))
+        loss, aux = head_loss(m, head, mtp, x_BxLxD, targets.get("tokens"), targets["targets"],
+                              token_positions(targets), targets.get("weights"),
+                              table_VxD if m.tied_embeddings else None, embedder)
+        return loss, _objective(aux)
 
     # -- loss and gradients ------------------------------------------------------------------
 
     def _arguments(self, params, batch: dict, m: int):
-        inputs_BxL, targets_BxL, layout, weights_BxL = model_inputs(batch)
-        inputs = {"tokens": inputs_BxL, "positions": layout.positions,
-                  "segment_ids": layout.segment_ids}
-        targets = {"targets": targets_BxL, "weights": weights_BxL}
+        x = model_inputs(batch)
+        inputs = {"tokens": x.inputs_BxL, "positions": x.token_pos.positions,
+                  "segment_ids": x.token_pos.segment_ids}
+        targets = {"targets": x.targets_BxL, "weights": x.weights_BxL}
         if self.config.model.mtp_depth:  # the last stage's modules read the row itself
-            targets.update(tokens=inputs_BxL, positions=layout.positions,
-                           segment_ids=layout.segment_ids)
-        # Microbatch i takes rows i, i + m, ...: each data-parallel shard stays on its devices.
-        split = lambda tree: {k: a.reshape(a.shape[0] // m, m, *a.shape[1:]).swapaxes(0, 1)  # noqa: E731
-                              for k, a in tree.items() if a is not None}
-        active = jax.numpy.asarray(self.layout.active)
-        return (*self._split_ends(params), params["blocks"], active, split(inputs),
-                split(targets))
+            targets.update(tokens=x.inputs_BxL, positions=x.token_pos.positions,
+                           segment_ids=x.token_pos.segment_ids)
+        present = lambda tree: {k: a for k, a in tree.items() if a is not None}  # noqa: E731
+        active = jax.numpy.asarray(self.layer_split.active)
+        return (*self._split_ends(params), params["blocks"], active,
+                split_microbatches(present(inputs), m), split_microbatches(present(targets), m))
 
     def value_and_grad(self, params: nnx.State, batch: dict):
         """Mean loss and gradients (pipeline layout) of a batch (see `jaxtron.training.step`)."""

@@ -2,19 +2,12 @@
 
 The step has no flags. How gradients are computed is a function passed in, built by composing
 `plain_grads` (one pass over the batch), `accumulated_grads` (sum over microbatches with
-`lax.scan`; the optimizer still takes one step per global batch, and the loss is the same mean)
-and `sharding.data_parallel.reduce_once` (one data-parallel reduction per step; ZeRO-2's
-reduce-scatter). Delayed fp8 scaling's amax histories ride along as parameters whose gradients
-are the step's observed amaxes: those are combined by max and written into the histories
-after the update (`kernels/fp8.py`).
-
-A batch is a dict of [B, ...] arrays (`jaxtron.data.batch`): `tokens` (inputs and shifted
-targets), and for packed rows `positions` / `segment_ids`, and `loss_mask` where only some
-targets count. The mask becomes `loss_weights` once per step, over the whole global batch
-(`counted_tokens_mean`): scaled so that the plain mean over all tokens is the mean over the
-counted ones. Every microbatch and data-parallel rank then averages equal-sized shards as
-before, and the step's loss is the global mean over counted tokens however unevenly the mask
-falls across microbatches (Megatron divides by the global number of loss tokens the same way).
+`lax.scan`; the optimizer still takes one step per global batch, and the loss is the same mean),
+the pipeline's `stages.StagedModel.value_and_grad`, and `data_parallel.reduce_once` (one
+data-parallel reduction per step; ZeRO-2's reduce-scatter). Delayed fp8 scaling's amax
+histories ride along as parameters whose gradients are the step's observed amaxes: those are
+combined by max and written into the histories after the update (`kernels/fp8.py`). What a
+batch holds and how its loss mask becomes weights: `batch.py`.
 """
 
 from __future__ import annotations
@@ -28,9 +21,8 @@ from flax import nnx, struct
 
 from jaxtron.kernels import fp8
 from jaxtron.models.moe import update_router_bias
-from jaxtron.models.token_positions import TokenPositions
 from jaxtron.sharding.zigzag import in_zigzag_order
-
+from jaxtron.training.batch import counted_tokens_mean, model_inputs, split_microbatches
 
 # (params, batch) -> ((objective, metrics), grads); metrics["loss"] is the language-model loss,
 # the objective adds any auxiliary terms (mixture-of-experts balancing).
@@ -44,27 +36,6 @@ class TrainState:
     opt_state: optax.OptState
 
 
-def counted_tokens_mean(batch: dict) -> dict:
-    """`loss_mask` -> `loss_weights` = mask x (B x L) / (counted tokens in the batch): the mean
-    of nll x weights over all B x L targets is then the mean over the counted ones."""
-    if "loss_mask" not in batch:
-        return batch
-    batch = dict(batch)
-    mask = batch.pop("loss_mask").astype(jnp.float32)
-    batch["loss_weights"] = mask * (mask.size / jnp.maximum(jnp.sum(mask), 1.0))
-    return batch
-
-
-def model_inputs(batch: dict):
-    """A batch -> (inputs_BxL, targets_BxL, TokenPositions, weights_BxL or None)."""
-    if "loss_mask" in batch:  # a mask read as weights would average over a microbatch only
-        raise ValueError("the batch holds a raw loss_mask: pass it through "
-                         "counted_tokens_mean(batch) over the whole global batch first.")
-    tokens = batch["tokens"]
-    token_pos = TokenPositions(positions=batch.get("positions"), segment_ids=batch.get("segment_ids"))
-    return tokens[:, :-1], tokens[:, 1:], token_pos, batch.get("loss_weights")
-
-
 def make_loss_fn(graphdef: nnx.GraphDef, sequence_ring: int = 1):
     """loss(params, batch) -> (objective, metrics) for the model `graphdef`: next-token
     cross-entropy plus the model's weighted auxiliary losses. With `sequence_ring` > 1 (ring
@@ -75,7 +46,8 @@ def make_loss_fn(graphdef: nnx.GraphDef, sequence_ring: int = 1):
         model_loss = nnx.merge(graphdef, params).loss
         if sequence_ring > 1:
             model_loss = in_zigzag_order(model_loss, sequence_ring)
-        loss, aux = model_loss(*model_inputs(batch))
+        x = model_inputs(batch)
+        loss, aux = model_loss(x.inputs_BxL, x.targets_BxL, x.token_pos, x.weights_BxL)
         objective = loss + sum(aux.pop("weighted_terms", []), jnp.zeros((), jnp.float32))
         return objective, {"loss": loss, **aux}
 
@@ -87,14 +59,10 @@ def plain_grads(loss_fn) -> GradFn:
 
 
 def accumulated_grads(grad_fn: GradFn, microbatches: int) -> GradFn:
-    """Mean loss and gradients over `microbatches` equal slices of the batch, one at a time.
-
-    Microbatch a takes rows a, a + A, a + 2A, ...: reshaping [B] to [B/A, A] keeps each device's
-    contiguous rows of a data-sharded batch on that device, so slicing moves no data.
-    """
+    """Mean loss and gradients over `microbatches` equal slices of the batch, one at a time
+    (`batch.split_microbatches`)."""
     def accumulate(params, batch):
-        batch_AxMx = jax.tree.map(lambda a: a.reshape(a.shape[0] // microbatches, microbatches,
-                                                      *a.shape[1:]).swapaxes(0, 1), batch)
+        batch_AxMx = split_microbatches(batch, microbatches)
 
         def body(grad_sum, micro_batch):
             out, grads = grad_fn(params, micro_batch)

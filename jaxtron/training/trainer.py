@@ -19,22 +19,38 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxtron.checkpoint.params import load_exported_params
 from jaxtron.config.checks import check_layout
+from jaxtron.config.platforms import building_for, for_platform, platform_of
 from jaxtron.config.schema import Config
-from jaxtron.runtime.cpu_matmuls import compiler_options, keep_until_exit
 from jaxtron.data.windows import batch_keys
 from jaxtron.errors import ConfigError
 from jaxtron.kernels import fp8
-from jaxtron.models import Transformer
-from jaxtron.training.optimizers import build_optimizer, learning_rate
-from jaxtron.training.stages import PipelinedTransformer
-from jaxtron.config.platforms import building_for, for_platform, platform_of
+from jaxtron.kernels.choice import configured_kernel, cudnn_present
+from jaxtron.models.transformer import Transformer
+from jaxtron.runtime.cpu_matmuls import compiler_options, keep_until_exit
 from jaxtron.sharding.mesh import build_mesh
-from jaxtron.sharding.rules import (activation_rules, activation_sharding, check_rules,
-                                    optimizer_rules, param_rules, spec_for, variable_shardings)
+from jaxtron.sharding.rules import (
+    activation_rules,
+    activation_sharding,
+    check_rules,
+    optimizer_rules,
+    param_rules,
+    spec_for,
+    variable_shardings,
+)
 from jaxtron.training.data_parallel import reduce_once
-from jaxtron.training.step import (TrainState, accumulated_grads, counted_tokens_mean, make_eval_step,
-                          make_loss_fn, make_train_step, plain_grads)
+from jaxtron.training.optimizers import build_optimizer, learning_rate
+from jaxtron.training.stages import StagedModel
+from jaxtron.training.step import (
+    TrainState,
+    accumulated_grads,
+    counted_tokens_mean,
+    make_eval_step,
+    make_loss_fn,
+    make_train_step,
+    plain_grads,
+)
 
 
 class Trainer:
@@ -45,6 +61,7 @@ class Trainer:
         self.mesh = build_mesh(config.mesh, devices)
         self.platform = platform or platform_of(self.mesh.devices.flat[0])
         self.config = config = for_platform(config, self.platform)
+        configured_kernel(config, self.platform, cudnn_present())  # what it cannot run: one line
         self.param_rules, self.activation_rules = param_rules(config), activation_rules(config)
         check_rules(self.param_rules)
         check_rules(self.activation_rules)
@@ -52,7 +69,7 @@ class Trainer:
         self.tx, self.schedule = build_optimizer(config), learning_rate(config)
         abstract_model = nnx.eval_shape(self._new_model)
         self.graphdef, _ = nnx.split(abstract_model)
-        self.pipeline = (PipelinedTransformer(config, self.mesh) if config.mesh.stage > 1
+        self.stages = (StagedModel(config, self.mesh) if config.mesh.stage > 1
                          else None)
         self.loss_fn = make_loss_fn(self.graphdef, self.mesh.shape["sequence"])
 
@@ -73,7 +90,7 @@ class Trainer:
                                                      self.batch_sharding),
                               compiler_options=options)
         # A pipeline evaluates through its stages (a forward-only schedule), layers in place.
-        eval_fn = self.pipeline.eval_loss if self.pipeline else make_eval_step(self.loss_fn)
+        eval_fn = self.stages.eval_loss if self.stages else make_eval_step(self.loss_fn)
         self._eval = jax.jit(eval_fn, in_shardings=(self.state_shardings.params,
                                                     self.batch_sharding),
                              out_shardings=replicated, compiler_options=options)
@@ -85,7 +102,7 @@ class Trainer:
         more than one data-parallel rank reduced over `data` once per step (reduce-scattered
         like the optimizer state under ZeRO-2), see `sharding/data_parallel.py`."""
         c = self.config
-        grad_fn = self.pipeline.value_and_grad if self.pipeline else plain_grads(self.loss_fn)
+        grad_fn = self.stages.value_and_grad if self.stages else plain_grads(self.loss_fn)
         if c.optim.grad_accum > 1:
             grad_fn = accumulated_grads(grad_fn, c.optim.grad_accum)
         zero2 = c.optim.zero_stage >= 2
@@ -118,8 +135,8 @@ class Trainer:
 
     def _init(self) -> TrainState:
         params = nnx.state(self._new_model(), nnx.Param)
-        if self.pipeline:
-            params = self.pipeline.to_pipeline_params(params)
+        if self.stages:
+            params = self.stages.to_pipeline_params(params)
         return TrainState(step=jax.numpy.zeros((), jax.numpy.int32), params=params,
                           opt_state=self.tx.init(params))
 
@@ -196,38 +213,43 @@ class Trainer:
 
     def canonical_state(self, state: TrainState) -> TrainState:
         """The state in the model's own layout (what checkpoints hold, whatever the mesh)."""
-        if not self.pipeline:
+        if not self.stages:
             return state
-        return _convert_layout(state, self.pipeline.to_model_params)
+        return _convert_layout(state, self.stages.to_model_params)
 
     def abstract_canonical_state(self) -> TrainState:
         """Restore target of a checkpoint: canonical shapes with this mesh's shardings."""
-        if not self.pipeline:
+        if not self.stages:
             return self.abstract_state()
         abstract = jax.eval_shape(lambda: self.canonical_state(self._init()))
         return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                             abstract, self._shardings(abstract))
 
     def from_canonical_state(self, state: TrainState) -> TrainState:
-        if not self.pipeline:
+        if not self.stages:
             return state
 
         def convert(state):
-            return _convert_layout(state, self.pipeline.to_pipeline_params)
+            return _convert_layout(state, self.stages.to_pipeline_params)
 
         return jax.jit(convert, out_shardings=self.state_shardings)(state)
 
     def with_params(self, state: TrainState, params) -> TrainState:
         """`state` with its parameters replaced by `params` (model layout), placed on the mesh."""
         def replace(state, params):
-            if self.pipeline:
-                params = self.pipeline.to_pipeline_params(params)
+            if self.stages:
+                params = self.stages.to_pipeline_params(params)
             return state.replace(params=params)
         return jax.jit(replace, out_shardings=self.state_shardings)(state, params)
 
+    def params_from(self, path) -> nnx.State:
+        """The parameters of an exported checkpoint (`jaxtron.export`, `jaxtron.convert`),
+        placed on this mesh in the model's own layout (what `with_params` takes)."""
+        return load_exported_params(path, self.abstract_canonical_state().params, self.config)
+
     def to_model_params(self, params):
         """The model's own parameter layout (undoes the pipeline layout, if any)."""
-        return self.pipeline.to_model_params(params) if self.pipeline else params
+        return self.stages.to_model_params(params) if self.stages else params
 
     def model(self, state: TrainState) -> Transformer:
         """The NNX model with the state's parameters, for inspection or generation."""

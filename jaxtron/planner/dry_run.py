@@ -19,49 +19,25 @@ and the fields that decide the platform-specific code.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
+from jaxtron.config.platforms import local_platform
 from jaxtron.config.schema import Config
 from jaxtron.errors import ConfigError
-from jaxtron.kernels.attention import Kernel, configured_kernel
-from jaxtron.config.platforms import cudnn_present, for_platform, local_platform
+from jaxtron.kernels.choice import report_line
+from jaxtron.planner.layout import layout_of
+from jaxtron.planner.memory import predict
+from jaxtron.sharding.collectives import count_collectives
 from jaxtron.sharding.mesh import describe_mesh
+from jaxtron.sharding.report import format_memory, memory_report, parameter_table
+from jaxtron.training.trainer import Trainer
 
-KERNEL_NAMES = {
-    Kernel.XLA: "plain XLA (blockwise causal attention)",
-    Kernel.CUDNN: "cuDNN flash attention",
-    Kernel.TRITON: "jaxtron's flash attention in Pallas, lowered through Triton",
-    Kernel.INTERPRET: "jaxtron's flash attention in Pallas, interpreted (slow; for tests)",
-    Kernel.SPLASH: "JAX's splash attention (Pallas, Mosaic TPU)",
-    Kernel.RING: "ring attention over the sequence axis (plain XLA per ring step)",
-}
 # How each platform's kernels appear in a lowered module.
 KERNEL_MARKERS = {"cuda": "__gpu$xla.gpu.triton", "rocm": "__gpu$xla.gpu.triton",
                   "tpu": "tpu_custom_call"}
 
 
-def attention_line(config: Config, platform: str) -> tuple[str, Config]:
-    """What attention runs on `platform`, and the config to lower here: explicit cuDNN cannot
-    be traced on a machine without cuDNN, so the check lowers Triton in its place."""
-    impl = config.model.attention_impl
-    there = configured_kernel(config, platform, cudnn_here=True)
-    here = there
-    if there is Kernel.CUDNN and not cudnn_present():
-        if impl == "cudnn":
-            model = dataclasses.replace(config.model, attention_impl="pallas")
-            config = dataclasses.replace(config, model=model)
-        here = configured_kernel(config, platform, cudnn_here=False)
-    line = f"attention: model.attention_impl={impl} -> {KERNEL_NAMES[there]}"
-    if here is not there:
-        line += (f"; cuDNN cannot be lowered on a machine without it, so this check lowers "
-                 f"{KERNEL_NAMES[here]} in its place")
-    return line, config
-
-
 def _planned_memory(trainer) -> str:
-    from jaxtron.planner.layout import layout_of
-    from jaxtron.planner.memory import predict
 
     mem = predict(trainer.config, layout_of(trainer.config, dict(trainer.mesh.shape)))
     mib = 2 ** 20
@@ -89,20 +65,15 @@ def _lower(trainer):
 
 def dry_run(config: Config, target: str | None = None) -> dict:
     """Build one step for `target` (default: this machine) and print what it will run."""
-    from jaxtron.sharding.report import format_memory, memory_report, parameter_table
-    from jaxtron.sharding.collectives import count_collectives
-    from jaxtron.training.trainer import Trainer
 
     here = local_platform()
     platform = target or here
-    for_platform(config, platform)  # what the platform cannot run, before anything is built
-    line, config = attention_line(config, platform)
-    trainer = Trainer(config, platform=platform)
+    trainer = Trainer(config, platform=platform)  # refuses what the platform cannot run
     m = trainer.config.model
     print(f"dry run for {platform} on this {here} machine; mesh: {describe_mesh(trainer.mesh)}; "
           f"axes {dict(trainer.mesh.shape)}")
     print(f"compute {m.dtype} (model.dtype={config.model.dtype}), parameters {m.param_dtype}")
-    print(line)
+    print(report_line(trainer.config, platform))
     state = trainer.abstract_state()
     print(parameter_table(state.params))
     start = time.perf_counter()
