@@ -182,13 +182,13 @@ def compare_schedules(config: Config, schedules: list[str], warmup: int,
     p, pp = config.mesh.stage, config.pipeline
     if p <= 1:
         raise ConfigError("--compare-schedules needs a pipelined config: set "
-                                     "mesh.stage > 1 (and pipeline.microbatches).")
+                          "mesh.stage > 1 (and pipeline.microbatches).")
     rows = {}
     for entry in schedules:
         schedule, _, mode = entry.partition(":")
         if mode not in ("", "stored", "recompute"):
             raise ConfigError(f"--compare-schedules entry {entry!r}: use a schedule "
-                                         "name, optionally with :stored or :recompute.")
+                              "name, optionally with :stored or :recompute.")
         recompute = pp.recompute if not mode else mode == "recompute"
         v = (max(pp.virtual_stages, 2) if schedule == "interleaved"
              else 2 if schedule == "zbv" else 1)

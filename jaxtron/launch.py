@@ -67,8 +67,8 @@ def devices_for_shrinking(args) -> Devices | None:
     per_process = args.devices_per_process or args.cpu_devices
     if not per_process:
         raise ConfigError("--device-memory/--hardware need the devices each "
-                                     "training process drives: add --devices-per-process, "
-                                     "e.g. 8.")
+                          "training process drives: add --devices-per-process, "
+                          "e.g. 8.")
     hardware = HARDWARE[args.hardware or ("cpu" if args.cpu_devices else "h100")]
     memory = (memory_budget_bytes(args.device_memory) if args.device_memory
               else hardware.memory_bytes)
@@ -80,7 +80,7 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--" not in argv:
         raise ConfigError("put the training arguments after `--`: python -m "
-                                     "jaxtron.launch --processes 2 -- --config configs/tiny.yaml")
+                          "jaxtron.launch --processes 2 -- --config configs/tiny.yaml")
     split = argv.index("--")
     parser = argparse.ArgumentParser(prog="python -m jaxtron.launch",
                                      description=__doc__.split("\n\n")[0])

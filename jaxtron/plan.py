@@ -42,7 +42,7 @@ def parse_layout(text: str, devices: int) -> dict:
                               f"{', '.join(LAYOUT_KEYS)}.")
         fields[LAYOUT_KEYS[key]] = value
     mesh = {axis: fields.get(axis, 1) for axis in ("fsdp", "tensor", "sequence", "expert",
-                                                    "stage")}
+                                                   "stage")}
     used = Layout(**mesh).devices
     fields.setdefault("data", devices // used)
     if used * fields["data"] != devices:

@@ -10,12 +10,13 @@ import struct
 
 import numpy as np
 import pytest
-from conftest import make_config
 
 from jaxtron import convert, export, generate, plan, train
 from jaxtron.data import prepare
 from jaxtron.data.indexed import write_indexed
 from jaxtron.training.loop import run_training
+
+from conftest import make_config
 
 TINY = ["model.num_layers=2", "model.d_model=64", "model.mlp_dim=128", "data.seq_len=32",
         "data.builtin_max_bytes=400000", "train.batch_size=8", "train.steps=2",
@@ -140,7 +141,7 @@ def test_prepare_inputs(tmp_path, capsys):
 def test_checkpoints_and_exports(tmp_path, capsys):
     trained_run = tmp_path / "trained"
     run_training(make_config({"train.steps": 2, "train.run_dir": str(trained_run),
-                           "mesh.data": 8}))
+                              "mesh.data": 8}))
     fails_with_one_line(capsys, export.main, ["--checkpoint", str(trained_run), "--out",
                                               str(tmp_path / "e"), "--step", "7"],
                         "--step 7 was never saved", "choose one of 2")

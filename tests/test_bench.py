@@ -66,13 +66,14 @@ def test_plain_reference_model_gives_jaxtrons_loss_with_the_same_weights():
     import numpy as np
     from flax import nnx
 
-    from jaxtron import bench, plain_llama
+    from jaxtron import bench
+    from jaxtron.training import plain_llama
     from jaxtron.config.loading import load_config
     from jaxtron.training.trainer import Trainer
 
     config = load_config("configs/tiny.yaml", ["model.num_layers=2", "model.d_model=64",
-                                        "model.mlp_dim=128", "data.seq_len=32",
-                                        "train.batch_size=4", "mesh.data=1"])
+                                               "model.mlp_dim=128", "data.seq_len=32",
+                                               "train.batch_size=4", "mesh.data=1"])
     trainer = Trainer(config, jax.devices()[:1])
     state = trainer.init_state()
     ours = {"/".join(path): np.asarray(v.get_value())

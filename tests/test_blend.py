@@ -2,13 +2,14 @@
 
 import numpy as np
 import pytest
-from conftest import make_config, metric_records
 from test_checkpoint import whole_and_killed_runs
 
 from jaxtron.config.loading import config_from_dict, config_to_dict
 from jaxtron.data.indexed import write_indexed
 from jaxtron.data.pipeline import eval_batches, open_sources, train_batches
 from jaxtron.errors import ConfigError, DataError
+
+from conftest import make_config, metric_records
 
 SEQ = 16
 

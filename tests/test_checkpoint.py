@@ -8,7 +8,6 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from conftest import losses_by_step, make_config, metric_records
 from flax import nnx
 
 from jaxtron.checkpoint.fingerprint import fingerprints
@@ -16,6 +15,8 @@ from jaxtron.checkpoint.manager import Checkpointer, CheckpointError, checkpoint
 from jaxtron.checkpoint.params import save_params
 from jaxtron.config.loading import config_from_dict
 from jaxtron.training.trainer import Trainer
+
+from conftest import losses_by_step, make_config, metric_records
 
 BASE = ["--config", "configs/tiny.yaml", "model.num_layers=2", "model.d_model=64",
         "model.mlp_dim=128", "data.seq_len=32", "data.builtin_max_bytes=400000",

@@ -7,11 +7,12 @@ import subprocess
 import sys
 
 import pytest
-from conftest import make_config
 
 from jaxtron.checkpoint.cadence import MEASURE_AT, young_interval_steps
 from jaxtron.checkpoint.manager import saved_steps
 from jaxtron.errors import ConfigError
+
+from conftest import make_config
 
 
 def test_the_interval_minimises_save_cost_plus_expected_lost_work():

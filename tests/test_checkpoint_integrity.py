@@ -12,7 +12,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import make_config, metric_records
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxtron import train
@@ -21,6 +20,8 @@ from jaxtron.checkpoint.manager import Checkpointer, checkpoint_dir
 from jaxtron.config.loading import dump_config
 from jaxtron.data.pipeline import open_dataset
 from jaxtron.training.loop import run_training
+
+from conftest import make_config, metric_records
 
 
 def numpy_fingerprint(x: np.ndarray) -> int:

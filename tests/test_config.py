@@ -2,7 +2,6 @@ import subprocess
 import sys
 
 import pytest
-from conftest import make_config
 
 from jaxtron.config.loading import (
     config_from_dict,
@@ -14,12 +13,14 @@ from jaxtron.config.loading import (
 from jaxtron.config.schema import Config
 from jaxtron.errors import ConfigError
 
+from conftest import make_config
+
 
 def test_yaml_and_dotted_overrides(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("model:\n  num_layers: 3\ntrain:\n  steps: 7\n")
     c = load_config(path, ["train.steps=50", "model.d_model=96", "optim.lr=1e-3",
-                               "model.num_kv_heads=null", "model.dtype=bfloat16"])
+                           "model.num_kv_heads=null", "model.dtype=bfloat16"])
     assert c.model.num_layers == 3 and c.train.steps == 50 and c.model.d_model == 96
     assert c.optim.lr == 1e-3 and c.model.kv_heads == c.model.num_heads
     assert c.model.dtype == "bfloat16"

@@ -3,12 +3,13 @@
 import jax
 import numpy as np
 import pytest
-from conftest import make_config
 
 from jaxtron import bench
 from jaxtron.runtime.cpu_matmuls import ENV, compiler_options, onednn_available
 from jaxtron.runtime.distributed import LaunchError
 from jaxtron.training.trainer import Trainer
+
+from conftest import make_config
 
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="oneDNN is used on Linux x86-64")
 

@@ -6,13 +6,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import make_config
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxtron.kernels.cross_entropy import chunked_cross_entropy
 from jaxtron.models.transformer import cross_entropy_loss
 from jaxtron.sharding.mesh import build_mesh
 from jaxtron.sharding.rules import activation_rules, activation_sharding
+
+from conftest import make_config
 
 
 def problem(batch, length, dim=16, vocab=96, dtype=jnp.float32, seed=0):

@@ -5,12 +5,13 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import make_config
 
 from jaxtron.data.indexed import MAGIC, IndexedDataset, write_indexed
 from jaxtron.data.pipeline import eval_batches, open_dataset, split_point, train_batches
 from jaxtron.data.prepare import prepare
 from jaxtron.errors import DataError
+
+from conftest import make_config
 
 
 def write_corpus(folder, count=30):

@@ -6,7 +6,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import make_config
 from flax import nnx
 from test_kernels import naive_attention
 
@@ -18,6 +17,8 @@ from jaxtron.kernels.reference import reference_attention
 from jaxtron.sharding.mesh import build_mesh
 from jaxtron.sharding.rules import activation_rules, activation_sharding
 from jaxtron.training.trainer import Trainer
+
+from conftest import make_config
 
 
 def inputs(heads=4, kv_heads=2, length=32, kv_length=None, batch=2, dim=8, dtype=jnp.float32):

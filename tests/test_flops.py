@@ -1,6 +1,6 @@
-from conftest import make_config
-
 from jaxtron.training.flops import matmul_params, training_flops_per_token
+
+from conftest import make_config
 
 
 def test_flops_per_token_matches_a_hand_count():

@@ -8,7 +8,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import make_config
 from flax import nnx
 
 from jaxtron.checkpoint.manager import Checkpointer, CheckpointError
@@ -16,6 +15,8 @@ from jaxtron.checkpoint.params import save_params
 from jaxtron.config.loading import config_from_dict, config_to_dict
 from jaxtron.kernels.fp8 import E4M3, E5M2, fp8_delayed_einsum, fp8_einsum, fp8_grouped_matmul
 from jaxtron.training.trainer import Trainer
+
+from conftest import make_config
 
 
 def numpy_quantize(x, dtype, amax=None):

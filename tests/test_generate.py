@@ -3,12 +3,13 @@
 import jax
 import numpy as np
 import pytest
-from conftest import make_config
 from flax import nnx
 
 from jaxtron.errors import ConfigError
 from jaxtron.models.generation import decode_step, generate, prefill
 from jaxtron.models.transformer import Transformer
+
+from conftest import make_config
 
 # A wider init than training's 0.02 spreads the logits, so greedy choices have no near-ties.
 VARIANTS = {

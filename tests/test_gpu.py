@@ -9,7 +9,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import make_config
 from flax import nnx
 from test_flash import check, inputs, output_and_grads, packed
 
@@ -18,6 +17,8 @@ from jaxtron.data.pipeline import open_dataset, train_batches
 from jaxtron.kernels.attention import attention
 from jaxtron.kernels.reference import reference_attention
 from jaxtron.training.trainer import Trainer
+
+from conftest import make_config
 
 GPU = local_platform() in ("cuda", "rocm")
 pytestmark = [pytest.mark.gpu,

@@ -7,14 +7,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import make_config
 from flax import nnx
-from hf_rope_reference import hf_rope_tables
 
 from jaxtron.errors import ConfigError, DataError
 from jaxtron.hf.files import load_hf_dir, save_hf_dir
 from jaxtron.hf.translate import from_hf, to_hf
 from jaxtron.training.trainer import Trainer
+
+from conftest import make_config
+from hf_rope_reference import hf_rope_tables
 
 LLAMA = {"model": {"num_layers": 2, "d_model": 64, "num_heads": 4, "num_kv_heads": 2,
                    "mlp_dim": 96, "rope_theta": 500.0}}

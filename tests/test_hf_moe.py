@@ -9,15 +9,16 @@ import json
 import jax
 import numpy as np
 import pytest
-from conftest import make_config
 from flax import nnx
-from hf_rope_reference import hf_rope_tables
 from test_hf import rms_norm, rotate_half, silu, softmax
 
 from jaxtron.errors import ConfigError
 from jaxtron.hf.files import load_hf_dir, save_hf_dir
 from jaxtron.hf.translate import from_hf, to_hf
 from jaxtron.training.trainer import Trainer
+
+from conftest import make_config
+from hf_rope_reference import hf_rope_tables
 
 QWEN3 = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
          "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,

@@ -11,14 +11,15 @@ import time
 
 import numpy as np
 import pytest
-from conftest import FAST_COMPILE_FLAGS, losses_by_step
-from test_multihost import BASE, train
 
 from jaxtron.checkpoint.manager import saved_steps
 from jaxtron.runtime.run_dir import last_logged_step
 from jaxtron.supervisor.machine import Supervision
 from jaxtron.supervisor.records import productive_seconds
 from jaxtron.supervisor.supervise import LaunchFailed, supervise
+
+from conftest import FAST_COMPILE_FLAGS, losses_by_step
+from test_multihost import BASE, train
 
 
 class Exiting:
@@ -180,7 +181,7 @@ def test_a_shrunk_job_that_would_not_fit_takes_the_planners_fitting_layout():
     from jaxtron.supervisor.elastic import CannotShrink, Devices, fewer_processes, shrink_within
 
     config = load_config("configs/tiny.yaml", ["mesh.data=8", "train.batch_size=16",
-                                                   "optim.zero_stage=1"])
+                                               "optim.zero_stage=1"])
 
     def memory(overrides):
         shrunk = config_from_dict(config_to_dict(config), overrides)

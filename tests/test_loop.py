@@ -6,12 +6,13 @@ import random
 import jax
 import numpy as np
 import pytest
-from conftest import make_config, metric_records
 
 from jaxtron.checkpoint.manager import Checkpointer, checkpoint_dir
 from jaxtron.training.loop import run_training
 from jaxtron.training.loop_policy import LoopPolicy
 from jaxtron.training.nonfinite import NonFiniteError, NonFiniteWatch
+
+from conftest import make_config, metric_records
 
 
 def test_policy_over_random_cadences():

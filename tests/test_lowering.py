@@ -10,12 +10,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import make_config
 
-from jaxtron.kernels.attention import Kernel, attention, configured_kernel
+from jaxtron.kernels.attention import attention
+from jaxtron.kernels.choice import Kernel, configured_kernel
 from jaxtron.kernels.flash import flash_attention
 from jaxtron.kernels.reference import reference_attention
 from jaxtron.training.trainer import Trainer
+
+from conftest import make_config
 
 TRITON = "__gpu$xla.gpu.triton"
 TPU_KERNEL = "tpu_custom_call"

@@ -6,7 +6,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import make_config
 from flax import nnx
 
 from jaxtron.config.platforms import building_for
@@ -21,6 +20,8 @@ from jaxtron.models.token_positions import TokenPositions
 from jaxtron.models.transformer import Transformer
 from jaxtron.training.flops import matmul_params, training_flops_per_token
 from jaxtron.training.trainer import Trainer
+
+from conftest import make_config
 
 # Kn = 16, P = 8 (q/k head dim 24), V = 12: values narrower than keys, as in DeepSeek-V3.
 MLA = {"attention": "mla", "num_kv_heads": None, "num_heads": 4, "d_model": 64,

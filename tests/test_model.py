@@ -4,11 +4,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import make_config
 from flax import nnx
 
 from jaxtron.models.transformer import Transformer, cross_entropy_loss
 from jaxtron.sharding.rules import logical_names
+
+from conftest import first_batch_objective_metrics_grads, make_config
 
 
 def build(**model):
@@ -136,3 +137,35 @@ def test_hand_written_activation_derivatives_equal_jaxs(name):
     # swiglu: gate and up (JAX keeps five arrays); gelu * up: gelu's input, up and the GELU.
     assert kept(ours).count((64, 96)) == {"swiglu": 2, "gelu_tanh": 3}[name]
     assert kept(plain).count((64, 96)) > kept(ours).count((64, 96))
+
+
+@pytest.mark.parametrize("piece", ["embed", "head_loss"])
+def test_a_change_to_a_piece_of_the_model_reaches_the_pipeline_too(monkeypatch, piece):
+    """The model is composed once: the whole-model loss and the pipeline's stages call the same
+    pieces (the ends: before the pieces, each path had its own). Change one (scale the
+    embeddings, shift the loss) and both paths follow, equal to each other and different from
+    before. (The stack between them is one function of a run of blocks on both paths.)"""
+    from jaxtron.models import transformer
+
+    def objective(layout):
+        config = make_config({"mesh.data": 1, **layout}, model={"num_layers": 4},
+                             train={"batch_size": 8})
+        devices = 2 if "mesh.stage" in layout else 1
+        return first_batch_objective_metrics_grads(config, devices)[0]
+
+    pipeline = {"mesh.stage": 2, "pipeline.microbatches": 2}
+    before = objective({}), objective(pipeline)
+    original = getattr(transformer, piece)
+
+    def changed(*args, **kwargs):
+        out = original(*args, **kwargs)
+        if piece == "embed":
+            return 1.5 * out
+        loss, aux = out
+        return loss + 0.25, aux
+
+    monkeypatch.setattr(transformer, piece, changed)
+    after = objective({}), objective(pipeline)
+    np.testing.assert_allclose(before[1], before[0], rtol=1e-5)
+    np.testing.assert_allclose(after[1], after[0], rtol=1e-5)
+    assert abs(after[0] - before[0]) > 1e-3

@@ -7,7 +7,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import long_run_env, make_config, metric_records
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -17,6 +16,8 @@ from jaxtron.errors import ConfigError
 from jaxtron.models.moe import MoE, capacity, capacity_slots, load_balancing_loss, route, top_k
 from jaxtron.training.flops import matmul_params
 from jaxtron.training.trainer import Trainer
+
+from conftest import long_run_env, make_config, metric_records
 
 
 def moe_layer(**moe):

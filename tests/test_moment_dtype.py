@@ -8,10 +8,11 @@ really be bf16 (the planner counts 2 bytes per moment element from the same fiel
 import jax
 import jax.numpy as jnp
 import numpy as np
-from conftest import make_config
 
 from jaxtron.training.optimizers import moments_stored_as
 from jaxtron.training.trainer import Trainer
+
+from conftest import make_config
 
 
 def test_bf16_moments_are_stored_in_bf16_and_track_fp32_adam():

@@ -4,13 +4,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import first_batch_objective_metrics_grads, make_config
 from flax import nnx
 
 from jaxtron.errors import ConfigError
 from jaxtron.models.token_positions import PLAIN
 from jaxtron.models.transformer import Transformer
 from jaxtron.training.trainer import Trainer
+
+from conftest import first_batch_objective_metrics_grads, make_config
 
 
 def cut_losses(model, tokens):

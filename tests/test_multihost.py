@@ -10,11 +10,12 @@ import time
 
 import numpy as np
 import pytest
-from conftest import FAST_COMPILE_FLAGS, losses_by_step
 
 from jaxtron.config.schema import DistributedConfig
 from jaxtron.runtime.distributed import LaunchError, first_slurm_host, resolve_launch
 from jaxtron.supervisor.local_job import free_port
+
+from conftest import FAST_COMPILE_FLAGS, losses_by_step
 
 # Constant learning rate after warm-up, so a run stopped early and resumed with more steps follows
 # the same schedule as one uninterrupted run.

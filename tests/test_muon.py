@@ -7,11 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import make_config
 
 from jaxtron.training.muon import matrix_dimensions
 from jaxtron.training.optimizers import build_optimizer
 from jaxtron.training.trainer import Trainer
+
+from conftest import make_config
 
 LR, WD, BETA = 1e-2, 0.1, 0.95
 COEFFS = (3.4445, -4.775, 2.0315)

@@ -3,12 +3,13 @@ configured, and a logged learning rate that is the rate each update applied."""
 
 import optax
 import pytest
-from conftest import make_config, metric_records
 from flax import nnx
 
 from jaxtron.training.loop import run_training
 from jaxtron.training.optimizers import decay_mask, learning_rate
 from jaxtron.training.trainer import Trainer
+
+from conftest import make_config, metric_records
 
 # Every parameter of each family by path, and whether it is a weight matrix (decayed).
 MATRICES = {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "w_in", "w_out", "embed",

@@ -8,12 +8,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import make_config
 from flax import nnx
 
 from jaxtron.data.indexed import IndexedDataset, write_indexed
 from jaxtron.data.windows import Windows
 from jaxtron.training.trainer import Trainer
+
+from conftest import make_config
 
 L = 32
 

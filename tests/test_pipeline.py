@@ -8,7 +8,6 @@ import sys
 import jax
 import numpy as np
 import pytest
-from conftest import long_run_env, make_config, metric_records
 from flax import nnx
 
 from jaxtron.config.loading import load_config
@@ -18,6 +17,8 @@ from jaxtron.pipeline.schedules import build_table, forward_table
 from jaxtron.pipeline.ticks import BACKWARD, FORWARD, IDLE
 from jaxtron.sharding.collectives import count_collectives
 from jaxtron.training.trainer import Trainer
+
+from conftest import long_run_env, make_config, metric_records
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])

@@ -8,10 +8,11 @@ auxiliary losses and statistics, and every gradient must agree.
 import jax
 import numpy as np
 import pytest
-from conftest import first_batch_objective_metrics_grads, make_config
 
 from jaxtron.data.pipeline import open_dataset, train_batches
 from jaxtron.training.trainer import Trainer
+
+from conftest import first_batch_objective_metrics_grads, make_config
 
 MOE = {"num_experts": 4, "top_k": 2}
 

@@ -62,7 +62,7 @@ def test_parameter_and_optimizer_bytes_are_exact():
                             (Layout(data=2, tensor=4, zero_stage=1), "float32"),
                             (Layout(data=2, tensor=4, zero_stage=1), "bfloat16")):
         config = load_config("configs/tiny.yaml",
-                                 validate.BASE + [f"optim.moment_dtype={moments}"])
+                             validate.BASE + [f"optim.moment_dtype={moments}"])
         planned = apply(config, layout)
         trainer = Trainer(planned)
         state = trainer.abstract_state()

@@ -5,7 +5,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import make_config
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from jaxtron.config.platforms import building_for
@@ -17,6 +16,8 @@ from jaxtron.sharding.collectives import count_collectives
 from jaxtron.sharding.rules import activation_rules, activation_sharding
 from jaxtron.sharding.zigzag import zigzag_order, zigzag_ordered
 from jaxtron.training.trainer import Trainer
+
+from conftest import make_config
 
 
 def qkv(heads=4, kv_heads=2, length=64, batch=2, dim=8, seed=0):

@@ -3,13 +3,14 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
-from conftest import make_config
 from flax import nnx
 
 from jaxtron.checkpoint.manager import Checkpointer
 from jaxtron.data.pipeline import open_dataset, train_batches
 from jaxtron.models.moe import route, update_router_bias
 from jaxtron.training.trainer import Trainer
+
+from conftest import make_config
 
 
 def test_the_bias_moves_the_choice_but_not_the_weights():

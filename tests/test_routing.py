@@ -4,7 +4,6 @@ checked against a plain-numpy gate written from the paper (arXiv:2412.19437 eq. 
 import jax
 import numpy as np
 import pytest
-from conftest import make_config
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -14,6 +13,8 @@ from jaxtron.errors import ConfigError
 from jaxtron.hf.translate import to_hf
 from jaxtron.models.moe import MoE, route, top_k
 from jaxtron.training.trainer import Trainer
+
+from conftest import make_config
 
 
 def numpy_gate(logits_TxE, k, score, order="topk_then_softmax", groups=1, top_groups=1,

@@ -8,10 +8,11 @@ import sys
 import time
 
 import pytest
-from conftest import metric_records
 
 from jaxtron import train
 from jaxtron.checkpoint.manager import Checkpointer, checkpoint_dir
+
+from conftest import metric_records
 
 TINY = ["--config", "configs/tiny.yaml", "model.num_layers=2", "model.d_model=64",
         "model.mlp_dim=128", "data.seq_len=32", "data.builtin_max_bytes=400000",

@@ -5,10 +5,11 @@ import math
 
 import numpy as np
 import pytest
-from conftest import make_config, metric_records
 
 from jaxtron.training.loop import run_training
 from jaxtron.training.lr_schedule import learning_rate
+
+from conftest import make_config, metric_records
 
 PEAK, RATIO, WARMUP, STEPS = 1e-3, 0.1, 10, 100
 
@@ -47,7 +48,7 @@ def megatron_lr(step, style, decay_steps=STEPS, wsd_steps=20, wsd_style="linear"
     ("inverse_sqrt", {}, {}),
     ("wsd", {}, {}),
     ("wsd", {"wsd_shape": "cosine", "decay_fraction": 0.3}, {"wsd_steps": 30,
-                                                              "wsd_style": "cosine"}),
+                                                             "wsd_style": "cosine"}),
     ("wsd", {"wsd_shape": "minus_sqrt"}, {"wsd_style": "minus_sqrt"}),
     ("linear", {"decay_steps": 60}, {"decay_steps": 60}),  # then the floor until the end
     ("inverse_sqrt", {"decay_steps": 60}, {"decay_steps": 60}),

@@ -6,7 +6,6 @@ import functools
 import jax
 import numpy as np
 import pytest
-from conftest import make_config
 from flax import nnx
 
 from jaxtron.data.pipeline import open_dataset, train_batches
@@ -14,6 +13,8 @@ from jaxtron.errors import ConfigError
 from jaxtron.sharding.mesh import resolve_degrees
 from jaxtron.sharding.report import shard_bytes
 from jaxtron.training.trainer import Trainer
+
+from conftest import make_config
 
 # 8 query heads over 2 kv heads: tensor=8 splits queries and replicates the kv heads.
 MODEL = {"num_heads": 8, "num_kv_heads": 2, "d_model": 64, "mlp_dim": 128}

@@ -14,7 +14,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import make_config
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 from test_flash import inputs, output_and_grads, packed
@@ -40,6 +39,8 @@ from jaxtron.kernels.splash import splash_attention
 from jaxtron.models.generation import decode_step, prefill
 from jaxtron.models.transformer import Transformer
 from jaxtron.training.flops import attended_keys, training_flops_per_token
+
+from conftest import make_config
 
 
 def numpy_attention(q, k, v, window, segment_ids=None):

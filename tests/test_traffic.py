@@ -6,12 +6,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import make_config
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxtron.sharding.collectives import _replica_groups, count_collectives
 from jaxtron.training.trainer import Trainer
+
+from conftest import make_config
 
 N = 8
 ROWS, COLS = 64, 32  # fp32 [64, 32]: 8 KiB

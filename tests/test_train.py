@@ -7,12 +7,13 @@ import sys
 import jax
 import numpy as np
 import pytest
-from conftest import long_run_env, make_config, metric_records
 from flax import nnx
 
 from jaxtron.data.pipeline import open_dataset, train_batches
 from jaxtron.training.step import accumulated_grads, plain_grads
 from jaxtron.training.trainer import Trainer
+
+from conftest import long_run_env, make_config, metric_records
 
 
 def test_overfits_one_batch():

@@ -99,7 +99,8 @@ def _read_run_params(run_dir: Path, step: int | None) -> tuple[Config, dict]:
             problems.append(str(err))
             print(f"note: skipping a damaged checkpoint: {err}", flush=True)
     raise CheckpointError(f"none of the {len(steps)} checkpoints in {directory} reads back "
-                          f"intact (newest: {problems[0][:300]}).")
+                          f"intact (newest: {problems[0][:300]}); pass another run directory "
+                          "or an export of this model.")
 
 
 def save_params(out: str | Path, config: Config, params_pure: dict) -> Path:

@@ -145,7 +145,7 @@ def validate(c: Config) -> None:
         _check(value == -1 or value > 0,
                f"mesh.{name}={value} must be a positive degree or -1 (= the devices left over).")
     _check(sum(getattr(mesh, n) == -1 for n in ("data", "fsdp", "tensor", "sequence", "expert",
-                                                 "stage")) <= 1,
+                                                "stage")) <= 1,
            "only one of mesh.data, mesh.fsdp, mesh.tensor, mesh.sequence, mesh.expert, mesh.stage may "
            "be -1 (= the rest); give the others explicit values.")
     _check(not m.qk_norm or (m.type == "llama" and m.attention == "mha"),

@@ -116,7 +116,7 @@ def _check_cudnn(platform: str, dtype, head_dim: int, hopper: bool) -> None:
                           f"model.dtype is {jnp.dtype(dtype).name}; set model.dtype=bfloat16 (or "
                           "auto), or model.attention_impl=auto to use the Pallas kernel at fp32.")
     if not cudnn_serves(dtype, head_dim, hopper=True) or (head_dim > 128 and not hopper
-                                                           and cudnn_present()):
+                                                          and cudnn_present()):
         raise ConfigError(f"model.attention_impl=cudnn cannot take head dim {head_dim} (cuDNN "
                           "needs a multiple of 8 up to 128, 256 on Hopper); use "
                           "model.attention_impl=auto.")

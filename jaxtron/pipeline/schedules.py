@@ -62,7 +62,7 @@ def build_table(schedule: str, stages: int, microbatches: int, virtual: int = 1)
     if schedule == "zbv":  # placed greedily, two chunks per rank in a V
         return zbv_table(stages, microbatches)
     return place(schedule, device_orders(schedule, stages, microbatches, virtual), stages,
-                  microbatches, virtual)
+                 microbatches, virtual)
 
 
 def forward_table(stages: int, microbatches: int, virtual: int = 1,

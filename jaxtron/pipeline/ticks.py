@@ -108,7 +108,7 @@ class Table(TickTable):
 
 
 def place(schedule: str, orders: list[list[Action]], p: int, m: int, v: int,
-           v_shape: bool = False) -> Table:
+          v_shape: bool = False) -> Table:
     """Each device's next action at the earliest tick its inputs exist."""
     last = p * v - 1
     done: dict[tuple[int, int, int], int] = {}  # (kind, microbatch, virtual stage) -> tick

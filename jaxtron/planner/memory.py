@@ -103,49 +103,66 @@ def _sharded_elements(shape, names, rules, degrees, stage: int) -> float:
 
 def gathered_block_bytes(config: Config, layout: Layout) -> float:
     """Bytes of one block's weights as FSDP gathers them (split by tensor and expert only)."""
-    degrees, rules = {**layout.degrees(), "fsdp": 1}, param_rules(config)
-    total = sum(itemsize * _sharded_elements(shape, names, rules, degrees, 1)
-                for shape, names, itemsize, stacked in _shapes(config)
-                if "layers" in names)
-    return total / config.model.num_layers
+    degrees = {**layout.degrees(), "fsdp": 1}
+    return _param_bytes(config, degrees, 1, "layers") / config.model.num_layers
 
 
 def end_bytes(config: Config, layout: Layout) -> int:
     """Bytes on one device of the parameters outside the repeated block stack (embedding, head,
     final norm, a dense prefix, multi-token prediction) as the mesh splits them, before a
     pipeline splits them over its stages."""
-    degrees, rules = layout.degrees(), param_rules(config)
-    return int(sum(itemsize * _sharded_elements(shape, names, rules, degrees, 1)
-                   for shape, names, itemsize, stacked in _shapes(config)
-                   if not stacked))
+    return int(_param_bytes(config, layout.degrees(), 1, "ends"))
 
 
 def expert_gradient_bytes(config: Config, layout: Layout) -> int:
     """The part of this device's gradient bytes that belongs to routed experts (split over the
     `expert` axis; the rest is replicated over it, like data parallelism)."""
-    degrees, rules = layout.degrees(), param_rules(config)
-    return int(sum(itemsize * _sharded_elements(shape, names, rules, degrees, layout.stage)
-                   for shape, names, itemsize, stacked in _shapes(config)
-                   if "expert" in names))
+    return int(_param_bytes(config, layout.degrees(), layout.stage, "expert"))
+
+
+def _param_bytes(config: Config, degrees: dict, stage: int, which: str) -> float:
+    return _selected_bytes(config.model, config.moe, tuple(degrees.items()), stage, which)
+
+
+@functools.lru_cache(maxsize=65536)
+def _selected_bytes(model, moe, degrees: tuple, stage: int, which: str) -> float:
+    """Bytes on one device, by the parameter rules, of the parameters `which` names: those with
+    a `layers` or an `expert` axis, or the ends (outside the repeated block stack)."""
+    config, degrees = Config(model=model, moe=moe), dict(degrees)
+    rules = param_rules(config)
+    return sum(itemsize * _sharded_elements(shape, names, rules, degrees, stage)
+               for shape, names, itemsize, stacked in _shapes(config)
+               if ((not stacked) if which == "ends" else which in names))
 
 
 def state_bytes(config: Config, layout: Layout) -> tuple[int, int, int]:
     """(parameters, Adam moments, gradients) bytes on one device."""
-    c = _with_layout(config, layout)
-    degrees = layout.degrees()
-    prules, orules = param_rules(c), optimizer_rules(c)
+    doubled = layout.grad_accum > 1 or layout.stage > 1
+    return _state_bytes(config.model, config.moe, config.optim.moment_dtype, layout.zero_stage,
+                        tuple(layout.degrees().items()), layout.stage, doubled)
+
+
+@functools.lru_cache(maxsize=65536)
+def _state_bytes(model, moe, moment_dtype: str, zero_stage: int, degrees: tuple, stage: int,
+                 doubled: bool) -> tuple[int, int, int]:
+    """`state_bytes` of one mesh: the planner asks for it for every variant of a mesh (remat,
+    microbatches, schedules...), which all hold the same state."""
+    config = Config(model=model, moe=moe)
+    config = dataclasses.replace(config, optim=dataclasses.replace(
+        config.optim, zero_stage=zero_stage, moment_dtype=moment_dtype))
+    degrees = dict(degrees)
+    prules, orules = param_rules(config), optimizer_rules(config)
     # ZeRO-2 reduce-scatters this rank's whole gradient once per step (as Megatron-LM's
     # distributed optimizer does): until then the rank holds all of it; with one data rank
     # there is nothing to scatter over and the optimizer rules change nothing.
     grules = prules
     params = moments = grads = 0.0
-    moment_bytes = np.dtype(jnp.dtype(config.optim.moment_dtype)).itemsize
+    moment_bytes = np.dtype(jnp.dtype(moment_dtype)).itemsize
     for shape, names, itemsize, stacked in _shapes(config):
-        params += itemsize * _sharded_elements(shape, names, prules, degrees, layout.stage)
-        moments += 2 * moment_bytes * _sharded_elements(shape, names, orules, degrees,
-                                                        layout.stage)
-        grads += itemsize * _sharded_elements(shape, names, grules, degrees, layout.stage)
-    if layout.grad_accum > 1 or layout.stage > 1:
+        params += itemsize * _sharded_elements(shape, names, prules, degrees, stage)
+        moments += 2 * moment_bytes * _sharded_elements(shape, names, orules, degrees, stage)
+        grads += itemsize * _sharded_elements(shape, names, grules, degrees, stage)
+    if doubled:
         grads *= 2  # the running sum and the microbatch's (a pipeline tick's) gradients
     return int(params), int(moments), int(grads)
 
@@ -155,12 +172,6 @@ def state_bytes(config: Config, layout: Layout) -> tuple[int, int, int]:
 # by one to two blocks' activations (about 1 with tensor=4, 2 with data=8; D = 128): a
 # measured constant that splits the difference.
 BACKWARD_WORKING_BLOCKS = 1.5
-
-
-def _with_layout(config: Config, layout: Layout) -> Config:
-    optim = dataclasses.replace(config.optim, zero_stage=layout.zero_stage)
-    mesh = dataclasses.replace(config.mesh, sequence_parallel=layout.sequence_parallel)
-    return dataclasses.replace(config, optim=optim, mesh=mesh)
 
 
 def layer_activation_bytes(config: Config, layout: Layout, tokens: int, policy: str) -> float:
@@ -228,11 +239,8 @@ def _moe_routing_elements(config: Config, layout: Layout) -> float:
 
 def expert_block_bytes(config: Config, layout: Layout) -> float:
     """One MoE layer's routed-expert weights on this device."""
-    degrees, rules = layout.degrees(), param_rules(config)
-    total = sum(itemsize * _sharded_elements(shape, names, rules, degrees, 1)
-                for shape, names, itemsize, stacked in _shapes(config)
-                if "expert" in names)
-    return total / (config.moe.stacked_layers(config.model.num_layers) // config.moe.every)
+    return (_param_bytes(config, layout.degrees(), 1, "expert")
+            / (config.moe.stacked_layers(config.model.num_layers) // config.moe.every))
 
 
 def microbatch_sequences(config: Config, layout: Layout) -> int:
@@ -294,7 +302,7 @@ def predict(config: Config, layout: Layout) -> Memory:
         chunk = math.ceil(layers / layout.virtual_stages)
         # + the embedding and head gathered whole from their stage slices, on every rank
         activations = in_flight * stage_input + chunk * kept + working + end_bytes(config,
-                                                                                  layout)
+                                                                                   layout)
         if layout.schedule in ("zb-h1", "zbv"):  # B's stashes (a chunk's activations)
             activations += zb_stashes(layout) * chunk * layer_activation_bytes(
                 config, layout, tokens, "none")

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 _RING: contextvars.ContextVar[int | None] = contextvars.ContextVar("jaxtron_zigzag_ring",
-                                                                 default=None)
+                                                                   default=None)
 
 
 def zigzag_order(length: int, n: int) -> np.ndarray:
@@ -87,7 +87,7 @@ def in_zigzag_order(loss: Callable, n: int) -> Callable:
             positions[order_L] if positions.ndim == 1 else zigzag(positions))
         token_pos = token_pos.replace(positions=positions,
                                       segment_ids=zigzag(token_pos.segment_ids),
-                                order=order_L)
+                                      order=order_L)
         with zigzag_ordered(n):
             return loss(zigzag(inputs_BxL), zigzag(targets_BxL), token_pos, zigzag(weights_BxL))
 

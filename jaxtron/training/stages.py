@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxtron.config.schema import Config
-from jaxtron.models.transformer import Transformer, embed, head_loss, run_stack
+from jaxtron.models import transformer
 from jaxtron.pipeline.engine import pipeline_loss, pipeline_value_and_grad
 from jaxtron.pipeline.layer_split import join_stages, split_layers, split_over_stages
 from jaxtron.pipeline.schedules import build_table, forward_table
@@ -68,14 +68,15 @@ class StagedModel:
         if counts is not None:
             counts = (counts[0] - dense, *counts[1:])
         v_shape = c.pipeline.schedule == "zbv"  # chunks down the ranks and back up
+        units = None if counts is None else tuple(n // every for n in counts)
         self.layer_split = split_layers(c.moe.stacked_layers(c.model.num_layers) // every, p, v,
-                                   None if counts is None else tuple(n // every for n in counts),
-                                   v_shape)
+                                        units, v_shape)
         self.table = build_table(c.pipeline.schedule, p, m, v)
         # Evaluation cuts the batch as finely as a training step does (microbatches of every
         # accumulation step), so it never holds larger activations than training.
         self.eval_table = forward_table(p, m * c.optim.grad_accum, v, v_shape)
-        model = nnx.eval_shape(lambda: Transformer(c.model, rngs=nnx.Rngs(0), moe=c.moe))
+        model = nnx.eval_shape(
+            lambda: transformer.Transformer(c.model, rngs=nnx.Rngs(0), moe=c.moe))
         self.embedder_def = nnx.graphdef(model.embedder)
         self.blocks_def = nnx.graphdef(model.blocks)
         self.head_def = nnx.graphdef(model.head)
@@ -93,7 +94,7 @@ class StagedModel:
         self._rules = (param_rules(c), optimizer_rules(c))
         stage_fns = (self._first, self._stage, self._last)
         self._value_and_grad = pipeline_value_and_grad(self.table, mesh, *stage_fns,
-                                                      recompute=c.pipeline.recompute)
+                                                       recompute=c.pipeline.recompute)
         self._loss = pipeline_loss(self.eval_table, mesh, *stage_fns)
 
     # -- parameter layouts ----------------------------------------------------------------
@@ -174,14 +175,14 @@ class StagedModel:
             {**dict(first["embedder"].items()), **dict(shared.items())}), "embedder"))
         dense = (nnx.merge(self.dense_def, self._whole(first["dense_blocks"], "dense_blocks"))
                  if "dense_blocks" in first else None)
-        return embed(self.config.model, embedder, dense, inputs["tokens"],
-                     token_positions(inputs))
+        return transformer.embed(self.config.model, embedder, dense, inputs["tokens"],
+                                 token_positions(inputs))
 
     def _stage(self, chunk_params, active_L, x_BxLxD, inputs):
         c = self.config
         blocks = nnx.merge(self.blocks_def, chunk_params)
-        x_BxLxD, aux = run_stack(c.model, c.moe if c.moe.enabled else None, blocks, x_BxLxD,
-                                 token_positions(inputs), active_L)
+        x_BxLxD, aux = transformer.run_stack(c.model, c.moe if c.moe.enabled else None, blocks,
+                                             x_BxLxD, token_positions(inputs), active_L)
         return x_BxLxD, _objective(aux)
 
     def _last(self, last, shared, x_BxLxD, targets):
@@ -193,9 +194,10 @@ class StagedModel:
         if m.mtp_depth:
             embedder = nnx.merge(self.embedder_def, self._whole(shared, "embedder"))
             mtp = nnx.merge(self.mtp_def, self._whole(last["mtp"], "mtp"))
-        loss, aux = head_loss(m, head, mtp, x_BxLxD, targets.get("tokens"), targets["targets"],
-                              token_positions(targets), targets.get("weights"),
-                              table_VxD if m.tied_embeddings else None, embedder)
+        loss, aux = transformer.head_loss(
+            m, head, mtp, x_BxLxD, targets.get("tokens"), targets["targets"],
+            token_positions(targets), targets.get("weights"),
+            table_VxD if m.tied_embeddings else None, embedder)
         return loss, _objective(aux)
 
     # -- loss and gradients ------------------------------------------------------------------

@@ -70,7 +70,7 @@ class Trainer:
         abstract_model = nnx.eval_shape(self._new_model)
         self.graphdef, _ = nnx.split(abstract_model)
         self.stages = (StagedModel(config, self.mesh) if config.mesh.stage > 1
-                         else None)
+                       else None)
         self.loss_fn = make_loss_fn(self.graphdef, self.mesh.shape["sequence"])
 
         self._abstract = abstract = jax.eval_shape(self._init)  # traced once, reused below
