@@ -50,6 +50,21 @@ def _check_blend(d: DataConfig) -> None:
 
 
 def validate(c: Config) -> None:
+    """ConfigError, naming the fields and the fix, for the first impossible setting found."""
+    _validate_sizes(c)
+    _validate_model(c.model, c.data)
+    _check_blend(c.data)
+    _validate_data_and_train(c)
+    _validate_optim(c.optim)
+    _validate_checkpoint(c)
+    _validate_mesh(c)
+    _validate_mla(c.model)
+    _validate_moe(c)
+    _validate_pipeline(c)
+    _validate_distributed(c)
+
+
+def _validate_sizes(c: Config) -> None:
     m, t, o, d = c.model, c.train, c.optim, c.data
     positive = {"model.num_layers": m.num_layers, "model.d_model": m.d_model,
                 "model.num_heads": m.num_heads, "model.mlp_dim": m.mlp_dim,
@@ -63,6 +78,9 @@ def validate(c: Config) -> None:
                 "model.fp8_amax_history": m.fp8_amax_history}
     for name, value in positive.items():
         _check(value > 0, f"{name}={value} must be a positive integer.")
+
+
+def _validate_model(m: ModelConfig, d: DataConfig) -> None:
     _check(m.sliding_window is None or m.sliding_window > 0,
            f"model.sliding_window={m.sliding_window} must be a positive number of keys (each "
            "query's window, itself included; Mistral 7B v0.1: 4096) or null for full causal "
@@ -80,38 +98,57 @@ def validate(c: Config) -> None:
            f"(got {m.num_kv_heads}).")
     _check(m.type != "llama" or m.resolved_head_dim % 2 == 0,
            f"RoPE needs an even head dimension; model.head_dim resolves to {m.resolved_head_dim}.")
-    _check_blend(d)
     _check(not m.qkv_bias or (m.type == "llama" and m.attention != "mla"),
            "model.qkv_bias=true needs model.type=llama with model.attention other than mla "
            "(gpt2 already biases every projection; latent attention has none).")
-    if m.rope_scaling != "none":
-        _check(m.type == "llama", f"model.rope_scaling={m.rope_scaling} needs model.type=llama "
-               "(gpt2 has learned positions, no RoPE).")
-        _check(m.rope_factor > 0 and m.rope_original_max_len > 0,
-               f"model.rope_factor={m.rope_factor} and model.rope_original_max_len="
-               f"{m.rope_original_max_len} must be positive.")
-        _check(m.rope_scaling != "llama3" or m.rope_high_freq_factor > m.rope_low_freq_factor,
-               f"model.rope_high_freq_factor={m.rope_high_freq_factor} must exceed "
-               f"model.rope_low_freq_factor={m.rope_low_freq_factor} (Llama 3.1: 4 and 1).")
-        _check(m.rope_scaling != "yarn" or m.rope_beta_fast > m.rope_beta_slow,
-               f"model.rope_beta_fast={m.rope_beta_fast} must exceed model.rope_beta_slow="
-               f"{m.rope_beta_slow} (YaRN: 32 and 1).")
+    _check(not m.qk_norm or (m.type == "llama" and m.attention == "mha"),
+           f"model.qk_norm=true needs model.type=llama and model.attention=mha (got "
+           f"{m.type}, {m.attention}); set model.qk_norm=false.")
+    _validate_rope(m)
     if m.mtp_depth:
         _check(m.mtp_depth > 0 and m.mtp_depth < d.seq_len,
                f"model.mtp_depth={m.mtp_depth} must be 0 (off) or between 1 and "
                f"data.seq_len - 1.")
         _check(m.type == "llama", "model.mtp_depth needs model.type=llama (its modules embed "
                "future tokens without learned positions).")
+
+
+def _validate_rope(m: ModelConfig) -> None:
+    if m.rope_scaling == "none":
+        return
+    _check(m.type == "llama", f"model.rope_scaling={m.rope_scaling} needs model.type=llama "
+           "(gpt2 has learned positions, no RoPE).")
+    _check(m.rope_factor > 0 and m.rope_original_max_len > 0,
+           f"model.rope_factor={m.rope_factor} and model.rope_original_max_len="
+           f"{m.rope_original_max_len} must be positive.")
+    _check(m.rope_scaling != "llama3" or m.rope_high_freq_factor > m.rope_low_freq_factor,
+           f"model.rope_high_freq_factor={m.rope_high_freq_factor} must exceed "
+           f"model.rope_low_freq_factor={m.rope_low_freq_factor} (Llama 3.1: 4 and 1).")
+    _check(m.rope_scaling != "yarn" or m.rope_beta_fast > m.rope_beta_slow,
+           f"model.rope_beta_fast={m.rope_beta_fast} must exceed model.rope_beta_slow="
+           f"{m.rope_beta_slow} (YaRN: 32 and 1).")
+
+
+def _validate_data_and_train(c: Config) -> None:
+    m, t, d = c.model, c.train, c.data
     _check(d.workers >= 0 and d.prefetch >= 0,
            f"data.workers={d.workers} and data.prefetch={d.prefetch} must be 0 or more.")
     _check(d.seq_len <= m.max_seq_len,
            f"data.seq_len={d.seq_len} exceeds model.max_seq_len={m.max_seq_len}; raise "
            "model.max_seq_len or shorten data.seq_len.")
-    _check(t.batch_size % o.grad_accum == 0,
-           f"train.batch_size={t.batch_size} must be divisible by optim.grad_accum={o.grad_accum}.")
+    _check(t.batch_size % c.optim.grad_accum == 0,
+           f"train.batch_size={t.batch_size} must be divisible by optim.grad_accum="
+           f"{c.optim.grad_accum}.")
     _check(t.eval_every >= 0, f"train.eval_every={t.eval_every} must be >= 0.")
     _check(0.0 < d.val_fraction < 1.0,
            f"data.val_fraction={d.val_fraction} must lie strictly between 0 and 1.")
+    _check(t.profile_steps is None or (len(t.profile_steps) == 2
+                                       and 1 <= t.profile_steps[0] <= t.profile_steps[1]),
+           f"train.profile_steps={list(t.profile_steps or [])} must be [first, last] with "
+           "1 <= first <= last, e.g. [10, 12].")
+
+
+def _validate_optim(o) -> None:
     _check(0.0 <= o.min_lr_ratio <= 1.0,
            f"optim.min_lr_ratio={o.min_lr_ratio} must lie in [0, 1].")
     _check(o.warmup_steps >= 0, f"optim.warmup_steps={o.warmup_steps} must be >= 0.")
@@ -128,10 +165,9 @@ def validate(c: Config) -> None:
     _check(o.eps > 0, f"optim.eps={o.eps} must be positive.")
     _check(o.weight_decay >= 0, f"optim.weight_decay={o.weight_decay} must be >= 0.")
     _check(o.grad_clip >= 0, f"optim.grad_clip={o.grad_clip} must be >= 0 (0 = off).")
-    _check(t.profile_steps is None or (len(t.profile_steps) == 2
-                                       and 1 <= t.profile_steps[0] <= t.profile_steps[1]),
-           f"train.profile_steps={list(t.profile_steps or [])} must be [first, last] with "
-           "1 <= first <= last, e.g. [10, 12].")
+
+
+def _validate_checkpoint(c: Config) -> None:
     every = c.checkpoint.every
     _check(every == "auto" if isinstance(every, str) else every >= 0,
            f"checkpoint.every={every!r} must be a number of steps >= 0 or auto.")
@@ -139,34 +175,37 @@ def validate(c: Config) -> None:
            f"checkpoint.mtbf_hours={c.checkpoint.mtbf_hours} must be > 0 (the expected hours "
            "between failures of the job).")
     _check(c.checkpoint.keep >= 1, f"checkpoint.keep={c.checkpoint.keep} must be >= 1.")
+
+
+MESH_DEGREES = ("data", "fsdp", "tensor", "sequence", "expert", "stage")
+
+
+def _validate_mesh(c: Config) -> None:
     mesh = c.mesh
-    for name in ("data", "fsdp", "tensor", "sequence", "expert", "stage"):
+    for name in MESH_DEGREES:
         value = getattr(mesh, name)
         _check(value == -1 or value > 0,
                f"mesh.{name}={value} must be a positive degree or -1 (= the devices left over).")
-    _check(sum(getattr(mesh, n) == -1 for n in ("data", "fsdp", "tensor", "sequence", "expert",
-                                                "stage")) <= 1,
-           "only one of mesh.data, mesh.fsdp, mesh.tensor, mesh.sequence, mesh.expert, mesh.stage may "
-           "be -1 (= the rest); give the others explicit values.")
-    _check(not m.qk_norm or (m.type == "llama" and m.attention == "mha"),
-           f"model.qk_norm=true needs model.type=llama and model.attention=mha (got "
-           f"{m.type}, {m.attention}); set model.qk_norm=false.")
-    _validate_mla(m)
-    _validate_moe(c)
-    _validate_pipeline(c)
-    dist = c.distributed
-    _check(dist.num_processes is None or dist.num_processes >= 1,
-           f"distributed.num_processes={dist.num_processes} must be >= 1 or null (= detect).")
-    _check(dist.process_id is None or dist.process_id >= 0,
-           f"distributed.process_id={dist.process_id} must be >= 0 or null (= detect).")
-    for name in ("init_timeout_s", "heartbeat_timeout_s"):
-        _check(getattr(dist, name) > 0, f"distributed.{name}={getattr(dist, name)} must be positive.")
+    _check(sum(getattr(mesh, n) == -1 for n in MESH_DEGREES) <= 1,
+           "only one of mesh.data, mesh.fsdp, mesh.tensor, mesh.sequence, mesh.expert, "
+           "mesh.stage may be -1 (= the rest); give the others explicit values.")
     for name in ("data", "fsdp", "stage"):
         dcn, total = getattr(mesh, f"dcn_{name}"), getattr(mesh, name)
         _check(dcn > 0, f"mesh.dcn_{name}={dcn} must be a positive integer.")
         _check(total == -1 or total % dcn == 0,
                f"mesh.dcn_{name}={dcn} must divide mesh.{name}={total}: it is the cross-host "
                f"factor of that degree.")
+
+
+def _validate_distributed(c: Config) -> None:
+    dist = c.distributed
+    _check(dist.num_processes is None or dist.num_processes >= 1,
+           f"distributed.num_processes={dist.num_processes} must be >= 1 or null (= detect).")
+    _check(dist.process_id is None or dist.process_id >= 0,
+           f"distributed.process_id={dist.process_id} must be >= 0 or null (= detect).")
+    for name in ("init_timeout_s", "heartbeat_timeout_s"):
+        _check(getattr(dist, name) > 0,
+               f"distributed.{name}={getattr(dist, name)} must be positive.")
 
 
 def _validate_mla(m: ModelConfig) -> None:
