@@ -19,7 +19,7 @@ from jaxtron.supervisor.records import productive_seconds
 from jaxtron.supervisor.supervise import LaunchFailed, supervise
 
 from conftest import FAST_COMPILE_FLAGS, losses_by_step
-from test_multihost import BASE, train
+from test_multihost import BASE, one_process_losses
 
 
 class Exiting:
@@ -91,17 +91,16 @@ def test_a_lost_process_is_restarted_and_the_losses_are_an_uninterrupted_runs(tm
     summary = json.loads((run_dir / "launch.json").read_text())
     # the steps' own time, against compiling twice, a restart and steps computed again
     assert summary["restarts"] == 1 and 0 < summary["goodput"] < 0.5, summary
-    expected, got = losses_by_step(reference), losses_by_step(run_dir)
+    expected, got = reference, losses_by_step(run_dir)
     assert sorted(got) == list(range(1, 17))
     np.testing.assert_allclose([got[s] for s in range(1, 17)],
                                [expected[s] for s in range(1, 17)], rtol=2e-5)
 
 
 def start_supervised(tmp_path, steps, *launch_args):
-    """A one-process reference run of `steps` steps, and the supervisor started on 2 processes
-    x 4 devices for the same run. -> (reference dir, run dir, supervisor process)."""
-    reference = tmp_path / "one-process"
-    train(reference, 1, f"train.steps={steps}")
+    """The losses of a one-process run of `steps` steps, and the supervisor started on 2
+    processes x 4 devices for the same run. -> (reference losses, run dir, supervisor)."""
+    reference = one_process_losses(steps)
     run_dir = tmp_path / "supervised"
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=FAST_COMPILE_FLAGS)
     command = [sys.executable, "-u", "-m", "jaxtron.launch", "--processes", "2",
@@ -147,7 +146,7 @@ def test_a_process_that_keeps_failing_is_dropped_then_grown_back_at_the_same_bat
     # 1 s later both processes run again, from a checkpoint the single one saved on SIGTERM
     assert "growing back to 2 process(es)" in events, events
     assert len(json.loads((run_dir / "processes.json").read_text())) == 2
-    expected, got = losses_by_step(reference), losses_by_step(run_dir)
+    expected, got = reference, losses_by_step(run_dir)
     assert sorted(got) == list(range(1, 61))
     np.testing.assert_allclose([got[s] for s in range(1, 61)],
                                [expected[s] for s in range(1, 61)], rtol=1e-4)

@@ -63,7 +63,7 @@ def one_by_one(model_params, graphdef, rows_of_docs):
             total = total + doc_loss * (len(d) - 1)
         return total / counted
 
-    return jax.value_and_grad(loss)(model_params)
+    return jax.jit(jax.value_and_grad(loss))(model_params)
 
 
 def packed_loss_and_grads(trainer, params, batch):

@@ -18,7 +18,7 @@ from jaxtron.pipeline.ticks import BACKWARD, FORWARD, IDLE
 from jaxtron.sharding.collectives import count_collectives
 from jaxtron.training.trainer import Trainer
 
-from conftest import long_run_env, make_config, metric_records
+from conftest import USERS_CODEGEN, long_run_env, make_config, metric_records
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
@@ -245,9 +245,10 @@ def total_bytes(tree):
 def big_vocab_steps():
     trainer = tiny_trainer()
     state = trainer.abstract_state()
-    step = trainer.compile_step(state, trainer.abstract_batch())
+    step = trainer.compile_step(state, trainer.abstract_batch(), USERS_CODEGEN)
     with trainer._tracing():
-        evaluate = trainer._eval.lower(state.params, trainer.abstract_batch()).compile()
+        evaluate = trainer._eval.lower(state.params, trainer.abstract_batch()).compile(
+            USERS_CODEGEN)
     return trainer, step, evaluate
 
 
@@ -276,7 +277,8 @@ def test_evaluation_runs_through_the_pipeline_without_gathering_layers():
 def test_chunked_cross_entropy_is_honoured_under_a_pipeline():
     trainer, step, _ = big_vocab_steps()
     chunked = tiny_trainer("model.cross_entropy=chunked", "model.loss_chunk_tokens=64")
-    chunked_step = chunked.compile_step(chunked.abstract_state(), chunked.abstract_batch())
+    chunked_step = chunked.compile_step(chunked.abstract_state(), chunked.abstract_batch(),
+                                        USERS_CODEGEN)
     c = trainer.config
     rows = c.train.batch_size // (c.pipeline.microbatches * c.mesh.data)
     logits = rows * c.data.seq_len * c.model.vocab_size * 4  # one microbatch, fp32, per device
@@ -293,7 +295,8 @@ def temp_bytes(schedule, m, layers=4, virtual=1, recompute=True):
                          model={"num_layers": layers, "d_model": 128, "mlp_dim": 256},
                          train={"batch_size": 2 * m}, data={"seq_len": 64})
     trainer = Trainer(config, devices=jax.devices()[:4])
-    compiled = trainer.compile_step(trainer.abstract_state(), trainer.abstract_batch())
+    compiled = trainer.compile_step(trainer.abstract_state(), trainer.abstract_batch(),
+                                    USERS_CODEGEN)
     return compiled.memory_analysis().temp_size_in_bytes
 
 

@@ -19,6 +19,8 @@ from jaxtron.training.trainer import Trainer, check_layout
 
 MiB = 2**20
 
+from conftest import USERS_CODEGEN
+
 
 def small_config():
     return load_config("configs/tiny.yaml", validate.BASE)
@@ -29,7 +31,7 @@ def test_predicted_memory_is_close_to_xlas_compiled_memory(layout):
     # The layouts of `python -m jaxtron.planner.validate` (docs/performance.md): data, fsdp,
     # tensor with and without sequence parallel, ZeRO-1/2, recompute policies, 1F1B pipeline,
     # accumulation, ring attention. Measured here: mean 3.0%, worst 9.7% (the 1F1B pipeline).
-    [row] = validate.run((layout,))
+    [row] = validate.run((layout,), compiler_options=USERS_CODEGEN)
     error = abs(row.predicted_bytes - row.compiled_bytes) / row.compiled_bytes
     print(f"{layout.describe():<40} predicted {row.predicted_bytes / MiB:.2f} MiB, "
           f"XLA {row.compiled_bytes / MiB:.2f} MiB, {error:.1%}")
@@ -39,7 +41,8 @@ def test_predicted_memory_is_close_to_xlas_compiled_memory(layout):
 def test_predicted_moe_memory_is_close_to_xlas_compiled_memory():
     # Expert parallelism, an MoE pipeline (experts split inside its stages), dropless.
     for layout, extra in validate.MOE_MATRIX:
-        [row] = validate.run((layout,), validate.BASE + validate.MOE + list(extra))
+        [row] = validate.run((layout,), validate.BASE + validate.MOE + list(extra),
+                             USERS_CODEGEN)
         error = abs(row.predicted_bytes - row.compiled_bytes) / row.compiled_bytes
         print(f"{layout.describe()} {extra}: predicted {row.predicted_bytes / MiB:.2f} MiB, "
               f"XLA {row.compiled_bytes / MiB:.2f} MiB, {error:.1%}")
@@ -50,7 +53,7 @@ def test_predicted_memory_without_pipeline_recompute_is_close_to_xlas_compiled_m
     # Each forward's residuals in the table's slots (`pipeline.recompute: false`).
     for layout in (Layout(data=2, stage=4, microbatches=4, recompute=False),
                    Layout(data=4, stage=2, microbatches=4, schedule="zb-h1", recompute=False)):
-        [row] = validate.run((layout,), validate.BASE)
+        [row] = validate.run((layout,), validate.BASE, USERS_CODEGEN)
         error = abs(row.predicted_bytes - row.compiled_bytes) / row.compiled_bytes
         print(f"{layout.describe()}: predicted {row.predicted_bytes / MiB:.2f} MiB, "
               f"XLA {row.compiled_bytes / MiB:.2f} MiB, {error:.1%}")  # 1.5%, 5.2%
@@ -81,7 +84,7 @@ def test_proposals_fit_pass_the_run_checks_and_compile():
         assert candidate.memory.total <= budget
         planned = apply(config, candidate.layout)  # the config validator accepts it
         check_layout(planned, candidate.layout.degrees())
-        measured = validate.compiled_bytes(planned)  # and it compiles
+        measured = validate.compiled_bytes(planned, USERS_CODEGEN)  # and it compiles
         assert measured < 1.25 * budget
 
 

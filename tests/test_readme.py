@@ -5,15 +5,23 @@ scripts/, so the runs, data and exports they write land there, as they would in 
 Blocks introduced as needing a GPU or a cluster are skipped (their code is covered by the
 lowering tests, tests/test_gpu.py and tests/test_multihost.py), and so are `make test` (this
 suite) and activating the environment (the tests already run inside it). Everything else runs,
-with overrides appended that shrink each training run to a few steps.
+with overrides appended that shrink each training run to a few steps. A `python -m jaxtron.X`
+command whose shell sees this process's devices runs in this process (its `main`, as the
+module's `__main__` calls it, in the scratch folder, output captured); the rest, such as
+`--devices` checks that must start JAX afresh, run as their own processes.
 """
 
+import contextlib
+import importlib
+import io
 import os
 import re
 import shlex
 import subprocess
 import sys
 from pathlib import Path
+
+import jax
 
 from conftest import FAST_COMPILE_FLAGS
 
@@ -49,8 +57,9 @@ def as_argv(line: str) -> tuple[dict, list[str]]:
     while words and re.fullmatch(r"[A-Z_]+=.*", words[0]):
         key, value = words.pop(0).split("=", 1)
         env[key] = value
-    if words[:2] == ["make", "train"]:
+    if words[:2] == ["make", "train"]:  # the Makefile's command and devices
         words = ["python", "-m", "jaxtron.train", "--config", "configs/tiny.yaml"]
+        env.update(XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
     if words[0] == "python":
         words[0] = sys.executable
         module = words[2] if words[1] == "-m" else ""
@@ -58,12 +67,47 @@ def as_argv(line: str) -> tuple[dict, list[str]]:
     return env, words
 
 
+def devices_in(env: dict) -> int:
+    match = re.search(r"--xla_force_host_platform_device_count=(\d+)", env.get("XLA_FLAGS", ""))
+    return int(match.group(1)) if match else 1
+
+
+def run_in_process(argv: list[str], cwd: Path) -> tuple[int, str, str]:
+    """`python -m jaxtron.X args` as its `__main__` runs it: -> (status, stdout, stderr)."""
+    module = importlib.import_module(argv[2])
+    out, err = io.StringIO(), io.StringIO()
+    before = os.getcwd()
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                status = module.main(argv[3:])
+            except SystemExit as exit_:  # argparse's --help
+                status = exit_.code or 0
+    finally:
+        os.chdir(before)
+    return status, out.getvalue(), err.getvalue()
+
+
+def run(line: str, env: dict, cwd: Path) -> tuple[int, str, str]:
+    extra_env, argv = as_argv(line)
+    env = {**env, **extra_env}
+    fresh_jax = argv[2:3] == ["jaxtron.train"] and "--devices" in argv  # simulates devices
+    here = (argv[1:2] == ["-m"] and argv[2].startswith("jaxtron.") and not fresh_jax
+            and devices_in(env) == jax.device_count())
+    if here:
+        return run_in_process(argv, cwd)
+    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {FAST_COMPILE_FLAGS}".strip()
+    result = subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=600, env=env)
+    return result.returncode, result.stdout, result.stderr
+
+
 def test_every_readme_command_runs_in_order(tmp_path):
     for name in ("configs", "examples", "jaxtron", "scripts"):
         (tmp_path / name).symlink_to(ROOT / name)
     commands = readme_commands()
     # A user's shell: no device count unless the README sets one (the tests' faster compile
-    # flag is kept on top).
+    # flags are kept on top).
     shell = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     ran = []
     for line, why in commands:
@@ -73,13 +117,9 @@ def test_every_readme_command_runs_in_order(tmp_path):
             key, value = line.removeprefix("export ").split("=", 1)
             shell[key] = value
             continue
-        extra_env, argv = as_argv(line)
-        env = {**shell, **extra_env}
-        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {FAST_COMPILE_FLAGS}".strip()
-        result = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=600,
-                                env=env)
-        assert result.returncode == 0, f"{line}\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
-        assert "Traceback" not in result.stderr, f"{line}\n{result.stderr[-3000:]}"
+        status, stdout, stderr = run(line, shell, tmp_path)
+        assert status == 0, f"{line}\n{stdout[-2000:]}\n{stderr[-3000:]}"
+        assert "Traceback" not in stderr, f"{line}\n{stderr[-3000:]}"
         ran.append(line)
     # The walkthrough's products exist where the README says.
     assert (tmp_path / "exports" / "tiny-hf" / "config.json").is_file()

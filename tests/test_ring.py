@@ -17,7 +17,7 @@ from jaxtron.sharding.rules import activation_rules, activation_sharding
 from jaxtron.sharding.zigzag import zigzag_order, zigzag_ordered
 from jaxtron.training.trainer import Trainer
 
-from conftest import make_config
+from conftest import USERS_CODEGEN, make_config
 
 
 def qkv(heads=4, kv_heads=2, length=64, batch=2, dim=8, seed=0):
@@ -232,7 +232,8 @@ def attention_temp_bytes(length: int, sequence: int) -> int:
 
     config = make_config({"mesh.data": 1, "mesh.sequence": sequence})
     with activation_sharding(mesh, activation_rules(config)), building_for("cpu"):
-        compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(*shapes).compile()
+        compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(*shapes).compile(
+            USERS_CODEGEN)
     return compiled.memory_analysis().temp_size_in_bytes
 
 
@@ -260,7 +261,8 @@ def test_planner_predicts_the_ring_step_memory():
     config = apply(make_config(model=model, data={"seq_len": 1024}, train={"batch_size": 16}),
                    layout)
     trainer = Trainer(config)
-    compiled_step = trainer.compile_step(trainer.abstract_state(), trainer.abstract_batch())
+    compiled_step = trainer.compile_step(trainer.abstract_state(), trainer.abstract_batch(),
+                                         USERS_CODEGEN)
     stats = compiled_step.memory_analysis()
     compiled = stats.argument_size_in_bytes + stats.temp_size_in_bytes
     predicted = predict(config, layout).total

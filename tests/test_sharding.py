@@ -14,7 +14,7 @@ from jaxtron.sharding.mesh import resolve_degrees
 from jaxtron.sharding.report import shard_bytes
 from jaxtron.training.trainer import Trainer
 
-from conftest import make_config
+from conftest import USERS_CODEGEN, make_config
 
 # 8 query heads over 2 kv heads: tensor=8 splits queries and replicates the kv heads.
 MODEL = {"num_heads": 8, "num_kv_heads": 2, "d_model": 64, "mlp_dim": 128}
@@ -136,7 +136,8 @@ def test_vocab_parallel_loss_never_gathers_full_logits():
 def test_sequence_parallel_cuts_activation_memory():
     def temp_bytes(layout):
         trainer = Trainer(make_config(layout, model={**MODEL, "num_kv_heads": 8}))
-        compiled = trainer.compile_step(trainer.abstract_state(), trainer.abstract_batch())
+        compiled = trainer.compile_step(trainer.abstract_state(), trainer.abstract_batch(),
+                                        USERS_CODEGEN)
         return compiled.memory_analysis().temp_size_in_bytes
     plain = temp_bytes({"mesh.data": 2, "mesh.tensor": 4})
     sp = temp_bytes({"mesh.data": 2, "mesh.tensor": 4, "mesh.sequence_parallel": True})

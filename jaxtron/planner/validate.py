@@ -91,30 +91,31 @@ class Row:
                 for b in compared if max(self.predicted_sent[b], self.measured_sent[b]) > floor}
 
 
-def compiled(config: Config):
-    """(per-device arguments + peak temporaries, Traffic) of the compiled step."""
-
+def compiled(config: Config, compiler_options=None):
+    """(per-device arguments + peak temporaries, Traffic) of the compiled step;
+    `compiler_options`: XLA's, over XLA_FLAGS."""
     trainer = Trainer(config)
-    step = trainer.compile_step(trainer.abstract_state(), trainer.abstract_batch())
+    step = trainer.compile_step(trainer.abstract_state(), trainer.abstract_batch(),
+                                compiler_options)
     stats = step.memory_analysis()
     return (int(stats.argument_size_in_bytes + stats.temp_size_in_bytes),
             count_collectives(step.as_text(), trainer.mesh))
 
 
-def compiled_bytes(config: Config) -> int:
-    return compiled(config)[0]
+def compiled_bytes(config: Config, compiler_options=None) -> int:
+    return compiled(config, compiler_options)[0]
 
 
 def _bucketed(per_axis: dict) -> dict:
     return {b: sum(per_axis.get(a, 0.0) for a in axes) for b, axes in BUCKETS.items()}
 
 
-def run(layouts=MATRIX, base=BASE) -> list[Row]:
+def run(layouts=MATRIX, base=BASE, compiler_options=None) -> list[Row]:
     rows = []
     for layout in layouts:
         config = load_config("configs/tiny.yaml", list(base))
         planned = apply(config, layout)
-        measured, traffic = compiled(planned)
+        measured, traffic = compiled(planned, compiler_options)
         booked = dict.fromkeys(AXES, 0.0)
         for axes, sent in traffic.by_axes().items():
             if axes:

@@ -150,10 +150,11 @@ class Trainer:
         with activation_sharding(self.mesh, self.activation_rules), building_for(self.platform):
             yield
 
-    def compile_step(self, state: TrainState, batch: dict):
-        """Ahead-of-time compile the step for these shapes (for timing and memory analysis)."""
+    def compile_step(self, state: TrainState, batch: dict, compiler_options=None):
+        """Ahead-of-time compile the step for these shapes (for timing and memory analysis);
+        `compiler_options`: XLA's options for this compile, over XLA_FLAGS."""
         with self._tracing():
-            compiled = self._step.lower(state, batch).compile()
+            compiled = self._step.lower(state, batch).compile(compiler_options)
         if self.compiler_options:
             keep_until_exit(compiled)
         return compiled
