@@ -47,7 +47,10 @@ def _let_background_threads_finish(timeout_s: float = 5.0) -> None:
     deadline = time.monotonic() + timeout_s
     for thread in threading.enumerate():
         if thread is not threading.current_thread() and not thread.daemon:
-            thread.join(max(0.0, deadline - time.monotonic()))
+            try:
+                thread.join(max(0.0, deadline - time.monotonic()))
+            except Exception:  # Orbax's threads raise their own timeout from join
+                pass
 
 
 def exit_command(code: int):
@@ -56,6 +59,7 @@ def exit_command(code: int):
     would otherwise report the same failure again, as tracebacks, while the interpreter shuts
     down. Only for a process that is ending (a command's `__main__`), never in a library call."""
     if code == 2:
+        sys.stdout.flush()
         sys.stderr.flush()
         logging.getLogger("asyncio").disabled = True
         logging.getLogger("absl").disabled = True
@@ -63,4 +67,10 @@ def exit_command(code: int):
         threading.excepthook = lambda args: None
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stderr.fileno())
+        if any(t.is_alive() and not t.daemon for t in threading.enumerate()
+               if t is not threading.current_thread()):
+            # A failed background write's thread would keep the interpreter from exiting:
+            # what it held is lost anyway, and the error line says where the last good
+            # checkpoint is.
+            os._exit(code)
     sys.exit(code)

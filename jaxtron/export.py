@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from jaxtron.checkpoint.params import read_params, save_params, writable_dir
+from jaxtron.checkpoint.params import check_output_dir, output_dir, read_params, save_params
 from jaxtron.errors import exits_on_user_error
 from jaxtron.hf.files import save_hf_dir
 from jaxtron.hf.translate import to_hf
@@ -30,13 +30,16 @@ def main(argv=None) -> int:
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--format", choices=("orbax", "hf"), default="orbax")
     parser.add_argument("--step", type=int, help="checkpoint step (default: newest)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an earlier export in --out (never a run's folder)")
     args = parser.parse_args(argv)
+    check_output_dir(args.out, args.overwrite)  # before anything is read
     config, params = read_params(args.checkpoint, args.step)
     if args.format == "orbax":
-        out = save_params(args.out, config, params)
+        out = save_params(args.out, config, params, args.overwrite)
     else:
         hf_config, tensors = to_hf(config, params)
-        out = writable_dir(args.out)
+        out = output_dir(args.out, args.overwrite)
         save_hf_dir(out, hf_config, tensors)
     print(f"exported {args.format} checkpoint to {out}")
     return 0

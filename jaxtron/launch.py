@@ -50,6 +50,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from jaxtron.config.flags import above, at_least
 from jaxtron.config.loading import load_config
 from jaxtron.errors import ConfigError, exits_on_user_error
 from jaxtron.planner.hardware import HARDWARE
@@ -75,15 +76,29 @@ def devices_for_shrinking(args) -> Devices | None:
     return Devices(per_process, memory, hardware)
 
 
+def _check_flags(args) -> None:
+    at_least("--processes", args.processes, 1, "run at least one training process")
+    at_least("--max-restarts", args.max_restarts, 0, "give 0 for no restart")
+    at_least("--drop-after", args.drop_after, 1, "give the failures in a row before a process "
+             "is dropped, e.g. 2")
+    at_least("--min-processes", args.min_processes, 1, "keep at least one process")
+    if args.min_processes is not None and args.min_processes > args.processes:
+        raise ConfigError(f"--min-processes {args.min_processes} exceeds --processes "
+                          f"{args.processes}; give at most {args.processes}.")
+    for flag in ("cpu_devices", "devices_per_process"):
+        at_least(f"--{flag.replace('_', '-')}", getattr(args, flag), 1, "give a device count")
+    for flag in ("grow_after_s", "heartbeat_timeout_s", "stall_timeout_s"):
+        above(f"--{flag.replace('_', '-')}", getattr(args, flag), 0, "give a number of seconds")
+
+
 @exits_on_user_error
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "--" not in argv:
-        raise ConfigError("put the training arguments after `--`: python -m "
-                          "jaxtron.launch --processes 2 -- --config configs/tiny.yaml")
-    split = argv.index("--")
-    parser = argparse.ArgumentParser(prog="python -m jaxtron.launch",
-                                     description=__doc__.split("\n\n")[0])
+    split = argv.index("--") if "--" in argv else len(argv)
+    parser = argparse.ArgumentParser(
+        prog="python -m jaxtron.launch", description=__doc__.split("\n\n")[0],
+        usage="python -m jaxtron.launch [options] -- --config CONFIG [section.key=value ...]",
+        epilog="The training arguments follow `--`: what python -m jaxtron.train takes.")
     parser.add_argument("--processes", type=int, default=1,
                         help="training processes to run (under --launcher: the step's tasks, "
                              "one per node)")
@@ -115,6 +130,10 @@ def main(argv=None) -> int:
                         help="no new step logged for this long (compile included) is a "
                              "failure")
     args = parser.parse_args(argv[:split])
+    if split == len(argv):
+        raise ConfigError("put the training arguments after `--`: python -m "
+                          "jaxtron.launch --processes 2 -- --config configs/tiny.yaml")
+    _check_flags(args)
     train_args = argv[split + 1:]
     train_parser = argparse.ArgumentParser(add_help=False)
     train_parser.add_argument("--config")

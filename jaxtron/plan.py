@@ -20,6 +20,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
+from jaxtron.config.flags import above, at_least
 from jaxtron.config.loading import dump_config, load_config, parse_override
 from jaxtron.errors import ConfigError, exits_on_user_error
 from jaxtron.planner.hardware import HARDWARE
@@ -66,6 +67,19 @@ def format_row(index, candidate) -> str:
             f"{cost.step_s:.4g} s  MFU {cost.mfu:.1%}  sent per device: {comm}")
 
 
+def _check_flags(args) -> None:
+    at_least("--devices", args.devices, 1, "give the device count to plan for, e.g. 64")
+    at_least("--top", args.top, 1, "show at least one layout")
+    at_least("--node-size", args.node_size, 1, "give the devices per node, e.g. 8")
+    for flag in ("peak_tflops", "intra_bw", "inter_bw"):
+        above(f"--{flag.replace('_', '-')}", getattr(args, flag), 0, "give a positive rate, or "
+              "leave it out for the hardware's")
+    above("--efficiency", args.efficiency, 0, "give the share of peak a step reaches, e.g. 0.5")
+    if args.efficiency is not None and args.efficiency > 1:
+        raise ConfigError(f"--efficiency {args.efficiency} is a share of the peak: give a value "
+                          "of at most 1, e.g. 0.5.")
+
+
 @exits_on_user_error
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jaxtron.plan",
@@ -92,18 +106,24 @@ def main(argv=None) -> int:
                         "mesh.stage=16 pipeline.microbatches=128'")
     args = parser.parse_args(argv)
     config = load_config(args.config, args.overrides)
-    if args.devices < 1:
-        raise ConfigError(f"--devices {args.devices} must be a positive device count.")
+    _check_flags(args)
     hardware = HARDWARE[args.hardware]
-    changes = {"peak_flops": args.peak_tflops and args.peak_tflops * 1e12,
-               "intra_bw": args.intra_bw and args.intra_bw * 1e9,
-               "inter_bw": args.inter_bw and args.inter_bw * 1e9,
+    scaled = lambda value, unit: None if value is None else value * unit  # noqa: E731
+    changes = {"peak_flops": scaled(args.peak_tflops, 1e12),
+               "intra_bw": scaled(args.intra_bw, 1e9), "inter_bw": scaled(args.inter_bw, 1e9),
                "node_size": args.node_size, "efficiency": args.efficiency}
-    hardware = dataclasses.replace(hardware, **{k: v for k, v in changes.items() if v})
+    hardware = dataclasses.replace(hardware, **{k: v for k, v in changes.items()
+                                                if v is not None})
     budget = (memory_budget_bytes(args.device_memory) if args.device_memory
               else hardware.memory_bytes)
     platform = args.platform or ("cpu" if hardware.name == "cpu" else "gpu")
     ranked = plan(config, args.devices, hardware, budget, platform)
+    if not ranked.considered:
+        raise ConfigError(
+            f"--devices {args.devices} admits no layout of this model: the mesh degrees must "
+            f"multiply to {args.devices} and split train.batch_size="
+            f"{config.train.batch_size}, the heads, the MLP and the vocabulary evenly; choose "
+            "a device count that does, or raise train.batch_size.")
     best, fitting = ranked.best(config, args.top), len(ranked.fitting)
     print(f"{ranked.considered} layouts of {args.devices} x {hardware.name} considered, "
           f"{fitting} fit in {size(budget)} per device; peak {hardware.peak_flops / 1e12:.4g} "

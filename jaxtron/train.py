@@ -18,6 +18,7 @@ import argparse
 import sys
 
 from jaxtron.config.checks import config_warnings
+from jaxtron.config.flags import at_least
 from jaxtron.config.loading import dump_config, format_field_reference, load_config
 from jaxtron.config.platforms import PLATFORMS, simulate_cpu_devices
 from jaxtron.errors import ConfigError, exit_command, exits_on_user_error
@@ -60,9 +61,10 @@ def main(argv=None) -> int:
     if args.print_config:
         print(dump_config(config), end="")
         return 0
-    if (args.target or args.devices) and not args.dry_run:
+    if (args.target or args.devices is not None) and not args.dry_run:
         raise ConfigError("--target and --devices only apply to a check; add --dry-run.")
-    if args.devices:
+    at_least("--devices", args.devices, 1, "give the device count to simulate, e.g. 64")
+    if args.devices is not None:
         simulate_cpu_devices(args.devices)
     for warning in config_warnings(config):
         print(f"warning: {warning}", file=sys.stderr, flush=True)

@@ -152,14 +152,22 @@ def test_a_write_failing_in_the_background_stops_the_run_at_the_next_step(tmp_pa
     assert Checkpointer(checkpoint_dir(tmp_path), 3, read_only=True).latest_step() is None
 
 
-def test_other_optimizer_settings_are_named_not_taken_for_damage(tmp_path, capsys):
+@pytest.mark.parametrize("override, named", [
+    ("optim.grad_clip=0", "optim.grad_clip: checkpoint on, config off (0)"),
+    ("optim.name=muon", "optim.name: checkpoint adamw, config muon"),
+    ("optim.moment_dtype=bfloat16", "optim.moment_dtype: checkpoint float32, config bfloat16"),
+    ("model.tie_embeddings=true", "model.tie_embeddings: checkpoint False, config True"),
+])
+def test_other_settings_are_named_not_taken_for_damage(tmp_path, capsys, override, named):
+    """A resume under settings that make another train state names the setting, and never
+    calls the checkpoint damaged or advises deleting it: it reads back under its own."""
     config = config_for(tmp_path, 2)
     run_training(config)
     (tmp_path / "config.yaml").write_text(dump_config(config))
     capsys.readouterr()
-    # No clipping drops a stage of the optimizer chain: a different train state.
     assert train.main(["--config", str(tmp_path / "config.yaml"), "train.steps=4",
-                       "optim.grad_clip=0"]) == 2
+                       override]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert "holds a different train state" in err and "optim.grad_clip" in err
+    assert named in err and "damaged" not in err and "delete" not in err, err
+    assert (tmp_path / "config.yaml").read_text() == dump_config(config)  # not the refused one
     assert (tmp_path / "checkpoints" / "2").is_dir()  # left where it was

@@ -21,7 +21,7 @@ USER_ERRORS = {"JaxtronError", "ConfigError", "DataError", "CheckpointError", "L
                "NonFiniteError", "DamagedCheckpoint", "RunDirError"}
 FIELD = re.compile(r"\b[a-z_]+\.[a-z_]+\b|--[a-z][a-z-]+|\b[A-Z][A-Z_]{3,}\b|\bfolder\b|"
                    r"\bfile\b|\bdirectory\b|\.bin\b|\.idx\b")
-FIELD_VALUES = re.compile(r"path|prefix|key|name|field|where|dotted|text|directory|folder|"
+FIELD_VALUES = re.compile(r"path|prefix|key|name|field|flag|where|dotted|text|directory|folder|"
                           r"checkpoint|location|args\.|spec|parts|rest|missing|degrees|FILE|src")
 FIX = re.compile(r"\b(set|use|make|give|add|remove|delete|pass|choose|raise|lower|run|change|"
                  r"fix|launch|put|shorten|rename|install|point|relaunch|increase|reduce|write|"

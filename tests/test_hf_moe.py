@@ -321,11 +321,17 @@ def test_unconvertible_settings_are_one_line_errors(cfg, field):
     assert "\n" not in str(err.value)
 
 
-def test_transformers5_rope_parameters_layout():
-    layout = {k: v for k, v in QWEN3.items() if k != "rope_theta"}
+def test_transformers5_layout():
+    """transformers 5 writes `rope_parameters` and Qwen3-MoE's `num_local_experts` (checked
+    against Qwen3MoeConfig().to_dict() of transformers 5.25)."""
+    layout = {k: v for k, v in QWEN3.items() if k not in ("rope_theta", "num_experts")}
     layout["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e6}
-    model, _, _ = from_hf(layout, random_hf_tensors(QWEN3))
-    assert model["rope_theta"] == 1e6
+    layout["num_local_experts"] = QWEN3["num_experts"]
+    model, moe, _ = from_hf(layout, random_hf_tensors(QWEN3))
+    assert model["rope_theta"] == 1e6 and moe["num_experts"] == 8
+    del layout["num_local_experts"]
+    with pytest.raises(ConfigError, match=r"lacks num_experts \(or num_local_experts\)"):
+        from_hf(layout, random_hf_tensors(QWEN3))
 
 
 def test_export_refusals_name_the_field():

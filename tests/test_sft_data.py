@@ -108,7 +108,7 @@ GOOD = {"prompt": "p", "completion": "c"}
                                          "--completion-key")),
     ([{"completion": "c"}], [], ("line 1 has no 'prompt' field", "--prompt-key")),
     ([GOOD, {"prompt": "p", "completion": ""}], [], ("line 2 has an empty 'completion'",)),
-    ([{"prompt": "p", "completion": 3}], [], ("line 1 field 'completion' is a JSON int",)),
+    ([{"prompt": "p", "completion": 3}], [], ("line 1 field 'completion' is a JSON number",)),
     (['["p", "c"]'], [], ("line 1 holds a JSON list, not an object",)),
     ([GOOD], ["--messages-key", "messages"], ("line 1 has no 'messages' field",
                                               "--messages-key")),

@@ -36,11 +36,27 @@ from jaxtron.checkpoint.fingerprint import fingerprints
 from jaxtron.config.loading import config_to_dict
 from jaxtron.config.schema import Config
 from jaxtron.errors import JaxtronError
+from jaxtron.runtime.run_dir import cannot_write
 
 # Fields that change the shape or meaning of the parameters: a mismatch cannot be restored.
 MODEL_FIELDS = ("type", "num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim",
-                "mlp_dim", "vocab_size", "max_seq_len", "param_dtype")
-MOE_FIELDS = ("num_experts", "expert_mlp_dim", "every", "shared_experts")
+                "mlp_dim", "vocab_size", "max_seq_len", "param_dtype", "mtp_depth", "qkv_bias",
+                "qk_norm", "attention", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+                "qk_rope_head_dim", "v_head_dim")
+MOE_FIELDS = ("num_experts", "expert_mlp_dim", "every", "shared_experts", "first_dense_layers")
+
+
+def _tied(model: dict) -> bool:
+    """`model.tie_embeddings` resolved as the model does (null: gpt2 ties, llama does not)."""
+    tie = model.get("tie_embeddings")
+    return model.get("type") == "gpt2" if tie is None else bool(tie)
+
+
+# Settings that shape the rest of a train state (the optimizer's arrays and their dtypes, the
+# routing biases): (section, field, how a value reads for the comparison).
+STATE_FIELDS = (("optim", "name", str), ("optim", "moment_dtype", str),
+                ("optim", "grad_clip", lambda v: "on" if v and v > 0 else "off (0)"),
+                ("moe", "bias_update_rate", lambda v: "on" if v and v > 0 else "off (0)"))
 
 
 @struct.dataclass
@@ -79,8 +95,8 @@ def _check_same_arrays(saved: dict, abstract_state, where: Path, subset: bool = 
         raise CheckpointError(
             f"the checkpoint at {where} holds a different train state ({len(extra)} arrays "
             f"this run lacks, e.g. {extra[:1]}; {len(missing)} it lacks, e.g. {missing[:1]}): "
-            "it was saved with other optimizer settings (optim.grad_clip 0 or not); use the "
-            "settings it was saved with, or point train.run_dir at a new folder.")
+            "it was saved by another version or with other settings; use the settings it was "
+            "saved with, or point train.run_dir at a new folder.")
 
 
 def write_each_array_from_one_replica() -> None:
@@ -99,6 +115,13 @@ class Checkpointer:
     def __init__(self, directory: str | Path, keep: int, *, read_only: bool = False):
         self.directory = Path(directory).absolute()
         self.read_only = read_only
+        if not read_only:
+            why = ("it is a file, not a folder" if self.directory.exists()
+                   and not self.directory.is_dir() else cannot_write(self.directory))
+            if why:
+                raise CheckpointError(f"checkpoints cannot be written to {self.directory} "
+                                      f"({why}); move what is there away, or point "
+                                      "train.run_dir at another folder.")
         if jax.process_count() == 1 and jax.default_backend() == "cpu":
             write_each_array_from_one_replica()
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=not read_only,
@@ -190,8 +213,11 @@ class Checkpointer:
         """Read `items` of `step` after checking the checkpoint fits `config`, and check the
         state read back against the fingerprints saved with it."""
         where = self.directory / str(step)
-        check_compatible(self.saved_config(step), config, where)
-        _check_same_fp8_state(self.saved_config(step), config, where)
+        saved_config = self.saved_config(step)
+        check_compatible(saved_config, config, where)
+        if not subset:  # the whole state: its optimizer's arrays must be this config's too
+            check_same_state(saved_config, config, where)
+            _check_same_fp8_state(saved_config, config, where)
         verified = (where / "checksums").exists()  # checkpoints of earlier versions have none
         saved = self._read(step, where, checksums=ocp.args.JsonRestore())["checksums"] \
             if verified else None
@@ -279,11 +305,32 @@ def check_compatible(saved: dict, config: Config, where: Path) -> None:
     diffs += [f"moe.{k}: checkpoint {saved.get('moe', {}).get(k)!r}, config "
               f"{current['moe'][k]!r}" for k in MOE_FIELDS
               if saved.get("moe", {}).get(k, current["moe"][k]) != current["moe"][k]]
+    if _tied(saved.get("model", {})) != _tied(current["model"]):
+        diffs.append(f"model.tie_embeddings: checkpoint {_tied(saved.get('model', {}))}, "
+                     f"config {_tied(current['model'])}")
     if diffs:
         raise CheckpointError(
             f"the checkpoint at {where} was written for a different model ({'; '.join(diffs)}). "
             "Use the same model settings as the checkpoint, or point train.run_dir at a new "
             "folder (or set train.resume=never) to start a new run.")
+
+
+def check_same_state(saved: dict, config: Config, where: Path) -> None:
+    """Name every setting whose saved value gives the train state other arrays than the
+    current config does (the checkpoint reads back under its own settings)."""
+    current = config_to_dict(config)
+    saved = saved if isinstance(saved, dict) else {}
+    diffs = []
+    for section, name, shown in STATE_FIELDS:
+        before = shown(saved.get(section, {}).get(name, current[section][name]))
+        now = shown(current[section][name])
+        if before != now:
+            diffs.append(f"{section}.{name}: checkpoint {before}, config {now}")
+    if diffs:
+        raise CheckpointError(
+            f"the checkpoint at {where} holds the state of other settings ({'; '.join(diffs)}); "
+            "resume with the checkpoint's settings, or start from its weights with python -m "
+            "jaxtron.export and train.init_from, or point train.run_dir at a new folder.")
 
 
 def _check_same_fp8_state(saved: dict, config: Config, where: Path) -> None:

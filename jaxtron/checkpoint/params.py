@@ -11,6 +11,7 @@ fingerprints saved with it like any restore.
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import jax
@@ -103,8 +104,9 @@ def _read_run_params(run_dir: Path, step: int | None) -> tuple[Config, dict]:
                           "or an export of this model.")
 
 
-def save_params(out: str | Path, config: Config, params_pure: dict) -> Path:
-    out = writable_dir(out)
+def save_params(out: str | Path, config: Config, params_pure: dict,
+                overwrite: bool = False) -> Path:
+    out = output_dir(out, overwrite)
     checkpointer = ocp.StandardCheckpointer()
     checkpointer.save(out / "params", weights_only(params_pure), force=True)
     checkpointer.wait_until_finished()
@@ -112,14 +114,44 @@ def save_params(out: str | Path, config: Config, params_pure: dict) -> Path:
     return out
 
 
-def writable_dir(out: str | Path) -> Path:
-    """`out`, created, or CheckpointError naming it when it cannot be written."""
+# What an export leaves in its folder: a parameters-only checkpoint, or a Hugging Face one.
+EXPORT_FILES = ("params", "config.yaml", "config.json", "model.safetensors",
+                "model.safetensors.index.json")
+
+
+def output_dir(out: str | Path, overwrite: bool = False) -> Path:
+    """`out`, empty and writable, for an export (`check_output_dir`); an earlier export in it
+    is removed first with `overwrite`, so no shard of the old one stays beside the new."""
     out = Path(out).absolute()
+    for name in check_output_dir(out, overwrite):
+        path = out / name
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
     why = cannot_write(out)
     if why:
         raise CheckpointError(f"--out {out} cannot be written ({why}); choose a folder you "
                               "can write to.")
     return out
+
+
+def check_output_dir(out: str | Path, overwrite: bool = False) -> list[str]:
+    """CheckpointError unless an export may go into `out`: never a training run's folder,
+    never one that holds other files, and one that holds an earlier export only with
+    `overwrite`. -> what an overwrite replaces (nothing changes here)."""
+    out = Path(out).absolute()
+    if checkpoint_dir(out).is_dir():
+        raise CheckpointError(f"--out {out} is a training run's folder (it holds "
+                              "checkpoints/); export into a folder of its own, e.g. "
+                              f"{out.parent / (out.name + '-export')}.")
+    held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if held:
+        earlier = all(name in EXPORT_FILES or name.startswith("model-") for name in held)
+        if not earlier:
+            raise CheckpointError(f"--out {out} holds other files ({', '.join(held[:3])}); "
+                                  "choose an empty or new folder.")
+        if not overwrite:
+            raise CheckpointError(f"--out {out} holds an earlier export; add --overwrite to "
+                                  "replace it, or choose a new folder.")
+    return held
 
 
 def exported_config(path: str | Path) -> Config:

@@ -8,6 +8,8 @@ settings that run but probably not as meant (the CLI prints them before training
 
 from __future__ import annotations
 
+import math
+
 from jaxtron.config.schema import Config, DataConfig, ModelConfig
 from jaxtron.errors import ConfigError
 
@@ -42,8 +44,9 @@ def _check_blend(d: DataConfig) -> None:
     labels = [s.label for s in d.blend]
     for i, source in enumerate(d.blend):
         _check(source.path != "", f"data.blend[{i}].path is missing; give the dataset prefix.")
-        _check(source.weight > 0, f"data.blend[{i}].weight={source.weight} (source "
-               f"{source.path}) must be positive; give it a share above 0 or remove the source.")
+        _check(math.isfinite(source.weight) and source.weight > 0,
+               f"data.blend[{i}].weight={source.weight} (source {source.path}) must be positive "
+               "and finite; give it a share above 0 or remove the source.")
         _check(labels.count(source.label) == 1,
                f"data.blend[{i}] ({source.path}) has the label {source.label!r} of another "
                "source; give each a distinct data.blend[i].name.")
@@ -52,6 +55,7 @@ def _check_blend(d: DataConfig) -> None:
 def validate(c: Config) -> None:
     """ConfigError, naming the fields and the fix, for the first impossible setting found."""
     _validate_sizes(c)
+    _validate_ranges(c)
     _validate_model(c.model, c.data)
     _check_blend(c.data)
     _validate_data_and_train(c)
@@ -78,6 +82,40 @@ def _validate_sizes(c: Config) -> None:
                 "model.fp8_amax_history": m.fp8_amax_history}
     for name, value in positive.items():
         _check(value > 0, f"{name}={value} must be a positive integer.")
+
+
+# Numbers with a range of their own: (dotted field, lowest, whether the lowest is allowed, the
+# highest allowed or None, what the field is, for the message).
+RANGES = (
+    ("model.rope_theta", 0.0, False, None, "RoPE's base frequency (Llama 3: 500000)"),
+    ("model.norm_eps", 0.0, False, None, "the norms' epsilon (1e-5 or 1e-6)"),
+    ("model.init_std", 0.0, False, None, "the initialiser's standard deviation (0.02)"),
+    ("model.mtp_loss_coef", 0.0, True, None, "the weight of the MTP loss (0.3)"),
+    ("moe.num_experts", 0, True, None, "experts per MoE layer (0 = a dense model)"),
+    ("moe.shared_experts", 0, True, None, "always-on shared experts (0 = none)"),
+    ("moe.first_dense_layers", 0, True, None, "dense blocks before the MoE ones"),
+    ("moe.aux_loss_coef", 0.0, True, None, "the load-balancing loss's weight"),
+    ("moe.z_loss_coef", 0.0, True, None, "the router z-loss's weight"),
+    ("optim.muon_ns_steps", 1, True, None, "Newton-Schulz iterations (5)"),
+    ("optim.muon_momentum", 0.0, True, 1.0, "Muon's momentum, below 1 (0.95)"),
+    ("data.builtin_max_bytes", 1, True, None, "bytes of the built-in corpus (4000000)"),
+)
+
+
+def _validate_ranges(c: Config) -> None:
+    for name, low, low_ok, high, what in RANGES:
+        section, field = name.split(".")
+        value = getattr(getattr(c, section), field)
+        below = value < low if low_ok else value <= low
+        above = high is not None and value >= high
+        bound = f">= {low}" if low_ok else f"> {low}"
+        _check(not (below or above),
+               f"{name}={value} must be {bound}" + (f" and < {high}" if high is not None else "")
+               + f": it is {what}; set a value in that range.")
+    expert_width = c.moe.expert_mlp_dim
+    _check(expert_width is None or expert_width > 0,
+           f"moe.expert_mlp_dim={expert_width} must be a positive width, or null for "
+           "model.mlp_dim.")
 
 
 def _validate_model(m: ModelConfig, d: DataConfig) -> None:

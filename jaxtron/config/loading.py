@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from pathlib import Path
@@ -47,17 +48,24 @@ def _coerce(path: str, value: Any, annotation) -> Any:
         if t is int and isinstance(value, int) and not isinstance(value, bool):
             return value
         if t is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+            return _finite(path, float(value))
         if t is str and isinstance(value, str):
             return value
         if t is float and isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
             try:
-                return float(value)
+                return _finite(path, float(value))
             except ValueError:
                 pass
     names = " or ".join("a list" if typing.get_origin(t) is tuple else t.__name__
                         for t in allowed if t is not type(None))
     raise ConfigError(f"{path}={value!r} has type {type(value).__name__}; it must be {names}.")
+
+
+def _finite(path: str, value: float) -> float:
+    """Every number in a config is finite: inf or nan is never a setting, only a typo."""
+    if not math.isfinite(value):
+        raise ConfigError(f"{path}={value} is not a finite number; give a finite value.")
+    return value
 
 
 def _build(cls, raw: dict, prefix: str):
@@ -132,6 +140,25 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
     return config_from_dict(raw, overrides)
 
 
+class DuplicateKey(Exception):
+    def __init__(self, key, line: int):
+        super().__init__(key)
+        self.key, self.line = key, line
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key set twice in one mapping (the last would win)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise DuplicateKey(key, key_node.start_mark.line + 1)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def _read_yaml(path: Path) -> dict:
     """The mapping in a config file; every way it can fail is one line naming the file."""
     if not path.is_file():
@@ -143,7 +170,10 @@ def _read_yaml(path: Path) -> dict:
         raise ConfigError(f"config file {path} is not UTF-8 text (byte {err.start}); save it "
                           "as UTF-8.") from None
     try:
-        raw = yaml.safe_load(text)
+        raw = yaml.load(text, Loader=_UniqueKeyLoader)
+    except DuplicateKey as err:
+        raise ConfigError(f"config file {path} sets {err.key!r} twice (line {err.line}); the "
+                          "second would silently replace the first: keep one.") from None
     except yaml.YAMLError as err:
         where = getattr(err, "problem_mark", None)
         line = f" at line {where.line + 1}" if where is not None else ""

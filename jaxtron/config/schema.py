@@ -196,13 +196,18 @@ class MeshConfig:
 class PipelineConfig:
     schedule: str = _f("1f1b", "pipeline schedule (with mesh.stage > 1)", PIPELINE_SCHEDULES)
     microbatches: int = _f(1, "microbatches per step flowing through the pipeline")
-    virtual_stages: int = _f(1, "model chunks per device (interleaved schedule)")
+    virtual_stages: int = _f(1, "model chunks per device (interleaved schedule; zbv always "
+                             "runs 2, and 1 there means 2)")
     layers_per_stage: tuple[int, ...] | None = _f(
         None, "layers of each virtual stage in order, e.g. [3, 3, 2, 2] (null = as even as "
         "possible)")
     recompute: bool = _f(True, "a pipeline's backward runs its stage again from the stored "
                          "input (true: least memory) or reads the residuals its forward stored "
                          "(false: one forward less per microbatch, Megatron-LM's default)")
+
+    def __post_init__(self):
+        if self.schedule == "zbv" and self.virtual_stages == 1:  # its V is two chunks a rank
+            object.__setattr__(self, "virtual_stages", 2)
 
 
 @dataclass(frozen=True)

@@ -34,9 +34,10 @@ class HostRows:
     def __init__(self, rows_ds: grain.MapDataset, global_batch: int, rows: slice | None):
         self.rows_ds, self.global_batch = rows_ds, global_batch
         self.rows = range(global_batch)[rows or slice(None)]
+        self.offset = 0  # rows of the stream read before batch 0 (a resume at another size)
 
     def __call__(self, batch_index: int) -> dict:
-        first = batch_index * self.global_batch
+        first = self.offset + batch_index * self.global_batch
         picked = [self.rows_ds[first + j] for j in self.rows]
         return {key: np.stack([row[key] for row in picked]) for key in picked[0]}
 
@@ -153,18 +154,19 @@ def train_batches(config: Config, data, rows: slice | None = None) -> "TrainStre
               grain.MapDataset.mix(streams, [s.weight for s in sources]))
     d = config.data
     options = grain.ReadOptions(num_threads=d.workers, prefetch_buffer_size=d.prefetch)
-    batches = grain.MapDataset.range(sys.maxsize).map(
-        HostRows(stream, config.train.batch_size, rows)).to_iter_dataset(options)
-    return TrainStream(iter(batches), sources)
+    host_rows = HostRows(stream, config.train.batch_size, rows)
+    batches = grain.MapDataset.range(sys.maxsize).map(host_rows).to_iter_dataset(options)
+    return TrainStream(iter(batches), sources, host_rows)
 
 
 class TrainStream:
     """The grain iterator plus the blend it draws from: its state records the weights, so a
     resume with other weights says so (the stream continues from the same batch index, drawn
-    with the new proportions)."""
+    with the new proportions), and the rows read so far, so a resume with another
+    `train.batch_size` continues at the row where the checkpoint's run stopped."""
 
-    def __init__(self, iterator, sources: list[OpenSource]):
-        self.iterator = iterator
+    def __init__(self, iterator, sources: list[OpenSource], host_rows: HostRows):
+        self.iterator, self.host_rows = iterator, host_rows
         # In order: a source's place sets its shuffle seed, so reordering is a change too.
         self.weights = [[s.label, str(s.dataset.prefix), s.weight] for s in sources]
 
@@ -175,13 +177,24 @@ class TrainStream:
         return next(self.iterator)
 
     def get_state(self) -> dict:
-        return {"stream": self.iterator.get_state(), "blend": self.weights}
+        return {"stream": self.iterator.get_state(), "blend": self.weights,
+                "global_batch": self.host_rows.global_batch,
+                "row_offset": self.host_rows.offset}
 
     def set_state(self, state: dict) -> None:
         if "stream" not in state:  # a checkpoint that holds only the grain iterator's state
             self.iterator.set_state(state)
             return
-        self.iterator.set_state(state["stream"])
+        stream, batch = state["stream"], state.get("global_batch", self.host_rows.global_batch)
+        offset = state.get("row_offset", 0)
+        if batch != self.host_rows.global_batch and "next_index" in stream:
+            offset += stream["next_index"] * batch  # the rows the checkpoint's run had read
+            stream = {**stream, "next_index": 0}
+            print(f"note: train.batch_size is {self.host_rows.global_batch} (the checkpoint's "
+                  f"run: {batch}): the data stream continues at row {offset}, where that run "
+                  "stopped", file=sys.stderr, flush=True)
+        self.host_rows.offset = offset
+        self.iterator.set_state(stream)
         if state.get("blend") != self.weights:
             print(f"note: data blend changed on resume: was {state.get('blend')}, now "
                   f"{self.weights}; batches from here on are drawn with the new weights",

@@ -31,8 +31,8 @@ from pathlib import Path
 
 from jaxtron.data import sft
 from jaxtron.data.indexed import write_indexed
-from jaxtron.data.sft import jsonl_records
-from jaxtron.data.tokenizer import load_tokenizer
+from jaxtron.data.sft import json_type, jsonl_records
+from jaxtron.data.tokenizer import covering, load_tokenizer
 from jaxtron.errors import DataError, exits_on_user_error
 
 
@@ -95,7 +95,12 @@ def read_documents(path: Path, pattern: str, jsonl_key: str, encoding: str = "ut
             if jsonl_key not in record:
                 raise DataError(f"{path} line {line_no} has no {jsonl_key!r} field; pass "
                                 "--jsonl-key with the field that holds the text.")
-            yield str(record[jsonl_key])
+            text = record[jsonl_key]
+            if not isinstance(text, str):
+                raise DataError(f"{path} line {line_no} field {jsonl_key!r} is a JSON "
+                                f"{json_type(text)}, not a string; fix that line or pass "
+                                "--jsonl-key with the field that holds the text.")
+            yield text
     elif path.is_file():
         data = _read(path)
         if _is_binary(data):
@@ -130,7 +135,7 @@ def prepare(input_path, out, tokenizer="byte", pattern="*", jsonl_key="text",
     tok = load_tokenizer(tokenizer)
     summary = Summary()
     texts = read_documents(Path(input_path), pattern, jsonl_key, encoding, summary)
-    meta = _write(out, (tok.encode(text) for text in texts), tok)
+    meta = _write(out, covering(tok, (tok.encode(text) for text in texts), input_path), tok)
     meta["notes"] = summary.notes(encoding)
     return meta
 
@@ -155,7 +160,7 @@ def prepare_sft(jsonl, out, tokenizer="byte", prompt_key="prompt", completion_ke
         while pending:
             yield pending.popleft()
 
-    meta = _write(out, documents(), tok, masks=masks())
+    meta = _write(out, covering(tok, documents(), jsonl), tok, masks=masks())
     meta["notes"] = [] if tok.eos_id is not None else [
         "the tokenizer has no end-of-text token, so no EOS closes an example"]
     return meta

@@ -20,12 +20,23 @@ first piece gets the tokenizer's special tokens (a BOS, if it adds one).
 
 from __future__ import annotations
 
+import difflib
 import json
 from pathlib import Path
 
 from jaxtron.errors import DataError
 
 ASSISTANT = "assistant"
+# The roles chat templates know (OpenAI's and Hugging Face's): a misspelt assistant turn would
+# otherwise be read as context and silently left untrained.
+ROLES = ("system", "developer", "user", ASSISTANT, "tool")
+
+
+def json_type(value) -> str:
+    """The JSON name of a parsed value's type, as the user wrote it."""
+    names = {str: "string", bool: "boolean", int: "number", float: "number", list: "array",
+             dict: "object", type(None): "null"}
+    return names.get(type(value), type(value).__name__)
 
 
 def role_header(role: str, first: bool) -> str:
@@ -66,7 +77,7 @@ def _text(record: dict, key: str, where: str, flag: str) -> str:
                         "it, or fix that line.")
     value = record[key]
     if not isinstance(value, str):
-        raise DataError(f"{where} field {key!r} is a JSON {type(value).__name__}, not a "
+        raise DataError(f"{where} field {key!r} is a JSON {json_type(value)}, not a "
                         "string; fix that line.")
     return value
 
@@ -101,6 +112,11 @@ def chat(record: dict, messages_key: str, where: str) -> list[tuple[str, bool]]:
             raise DataError(f"{where} turn {field} has no 'content' string; give every turn a "
                             "role and a content.")
         role, content = turn["role"], turn["content"]
+        if role not in ROLES:
+            close = difflib.get_close_matches(role, ROLES, n=1, cutoff=0.5)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise DataError(f"{where} turn {field} has role {role!r}, which no chat template "
+                            f"knows; {hint}use one of {', '.join(ROLES)}.")
         is_assistant = role == ASSISTANT
         trained = trained or (is_assistant and bool(content))
         pieces += [(role_header(role, number == 0), False), (content, is_assistant)]

@@ -50,6 +50,8 @@ class HFTokenizer:
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         ids = [self._tok.token_to_id(t) for t in EOS_CANDIDATES]
         self.eos_id = next((i for i in ids if i is not None), None)
+        unk = getattr(self._tok.model, "unk_token", None)
+        self.unk_id = self._tok.token_to_id(unk) if unk else None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Ids of `text`; `add_special_tokens=False` leaves out what the tokenizer's
@@ -58,6 +60,22 @@ class HFTokenizer:
 
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids])
+
+
+def covering(tok, documents, source: str):
+    """Pass `documents` (lists of ids) through, and refuse, once all are read, a tokenizer that
+    turned most of the text into its unknown token: its output would train on nothing."""
+    unk_id = getattr(tok, "unk_id", None)
+    total = unknown = 0
+    for ids in documents:
+        if unk_id is not None:
+            total += len(ids)
+            unknown += sum(1 for i in ids if i == unk_id)
+        yield ids
+    if total and unknown * 2 > total:
+        raise DataError(f"--tokenizer {tok.name} maps {unknown:,} of the {total:,} tokens of "
+                        f"{source} to its unknown token: it does not cover this text; use a "
+                        "tokenizer trained on such text, or 'byte'.")
 
 
 def load_tokenizer(spec: str):

@@ -199,7 +199,8 @@ def to_hf(config: Config, params: dict) -> tuple[dict, dict[str, np.ndarray]]:
         hf.update(qwen_window)
     elif arch == QWEN3_MOE:
         hf.update(intermediate_size=m.mlp_dim, moe_intermediate_size=dims["F"],
-                  num_experts=moe.num_experts, num_experts_per_tok=moe.top_k,
+                  num_experts=moe.num_experts, num_local_experts=moe.num_experts,
+                  num_experts_per_tok=moe.top_k,
                   norm_topk_prob=moe.router == "topk_then_softmax", decoder_sparse_step=1,
                   mlp_only_layers=[], router_aux_loss_coef=moe.aux_loss_coef, **qwen_window)
     elif arch == DEEPSEEK_V3:
@@ -275,14 +276,31 @@ def _sliding_window(arch: str, hf: dict) -> int | None:
     return window
 
 
+# Fields transformers 5 renamed: (architecture, name before, name since). Both are read.
+RENAMED = ((QWEN3_MOE, "num_experts", "num_local_experts"),)
+
+
+def _older_names(arch: str, hf: dict) -> dict:
+    """`hf` with each renamed field also under its earlier name, which the code below reads."""
+    hf = dict(hf)
+    for where, before, since in RENAMED:
+        if where == arch and before not in hf and since in hf:
+            hf[before] = hf[since]
+    return hf
+
+
 def _read_config(hf: dict) -> tuple[str, dict]:
     """-> (architecture, dims); ConfigError for anything our llama does not compute."""
     arch = _arch(hf)
+    hf = _older_names(arch, hf)
     required = ["hidden_size", "num_hidden_layers", "num_attention_heads",
                 "vocab_size"] + REQUIRED[arch]
     missing = [key for key in required if key not in hf]
     if missing:
-        raise ConfigError(f"config.json lacks {', '.join(missing)}, which {arch} needs.")
+        since = {before: f"{before} (or {after})" for where, before, after in RENAMED
+                 if where == arch}
+        raise ConfigError(f"config.json lacks {', '.join(since.get(k, k) for k in missing)}, "
+                          f"which {arch} needs.")
     get = lambda key: hf.get(key, DEFAULTS[arch].get(key))  # noqa: E731
     unsupported = [(hf.get("hidden_act", "silu") != "silu", f"hidden_act={hf.get('hidden_act')}",
                     "the MLP is SwiGLU (silu)"),

@@ -13,6 +13,7 @@ t with the key `fold_in(key(seed), t)`, so they sample alike.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -78,8 +79,9 @@ def _check(model, prompt: list[int], max_new_tokens: int, temperature: float, to
                           "token.")
     if max_new_tokens < 0:
         raise ConfigError(f"--max-new-tokens={max_new_tokens} must be >= 0.")
-    if temperature < 0:
-        raise ConfigError(f"--temperature={temperature} must be >= 0 (0 = greedy).")
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise ConfigError(f"--temperature={temperature} must be a finite number >= 0 (0 = "
+                          "greedy).")
     if top_k is not None and not 1 <= top_k <= cfg.vocab_size:
         raise ConfigError(f"top_k={top_k} must lie in 1..model.vocab_size={cfg.vocab_size} "
                           "(or be None for no cut).")

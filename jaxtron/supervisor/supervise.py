@@ -33,6 +33,10 @@ class LaunchFailed(JaxtronError):
     """The job kept failing: restarts exhausted."""
 
 
+class LaunchBusy(JaxtronError):
+    """Another supervisor's processes run in this folder."""
+
+
 class Job(Protocol):
     def start(self, restart: bool) -> list[subprocess.Popen]: ...
 
@@ -42,6 +46,7 @@ def supervise(job: Job, run_dir: Path, supervision: Supervision, *, poll_s: floa
     """Run `job` until it succeeds; -> 0, or the user-error status. LaunchFailed when the
     restarts are exhausted. A job that can shrink and grow has `shrink(culprit)` and
     `grow()`; one whose processes srun starts names culprits with `blame(rank)`."""
+    _check_not_supervised(run_dir)
     launched = time.monotonic()
     restarted = False
     while True:
@@ -72,6 +77,28 @@ def supervise(job: Job, run_dir: Path, supervision: Supervision, *, poll_s: floa
         else:
             _restart(job, run_dir, supervision, outcome)
         restarted = True
+
+
+def _check_not_supervised(run_dir: Path) -> None:
+    """One supervisor per run folder: another one's live processes (processes.json) stop this
+    one before it starts anything or writes there."""
+    listed = run_dir / "processes.json"
+    try:
+        pids = json.loads(listed.read_text()) if listed.is_file() else []
+    except ValueError:
+        pids = []
+    alive = [pid for pid in pids if isinstance(pid, int) and _runs_jaxtron(pid)]
+    if alive:
+        raise LaunchBusy(f"train.run_dir={run_dir} is in use by another launch (processes "
+                         f"{', '.join(map(str, alive))} still run); wait for it to finish or "
+                         "stop it, or choose another train.run_dir.")
+
+
+def _runs_jaxtron(pid: int) -> bool:
+    try:
+        return b"jaxtron" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
 
 
 def _start(job: Job, run_dir: Path, supervision: Supervision, restarted: bool):

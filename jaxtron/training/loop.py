@@ -26,6 +26,7 @@ from jaxtron.config.loading import dump_config
 from jaxtron.config.schema import Config
 from jaxtron.data.pipeline import eval_batches, open_sources, train_batches
 from jaxtron.kernels import fp8
+from jaxtron.runtime.library_logs import library_logs_in
 from jaxtron.runtime.metrics import MetricsLog, Reporter
 from jaxtron.runtime.preemption import PreemptionGuard
 from jaxtron.runtime.profiling import StepProfiler, plot_loss_curve
@@ -60,6 +61,7 @@ def run_training(config: Config) -> dict:
                                   "every process.")
         if problem is not None:
             raise problem
+        held.enter_context(library_logs_in(run_dir, jax.process_index(), jax.process_count()))
         run = Run.start(config, run_dir)
         if run.start_step >= config.train.steps:
             return run.nothing_to_do()
@@ -94,10 +96,10 @@ class Run:
         check_fits(trainer)
         rows = trainer.local_rows()
         batches = train_batches(c, sources, rows)
-        if is_main:
-            (run_dir / "config.yaml").write_text(dump_config(c))
         checkpoints = Checkpointer(checkpoint_dir(run_dir), c.checkpoint.keep)
         state, resumed_from, loaded = _initial_state(trainer, checkpoints, batches)
+        if is_main:  # only once the checkpoints accepted this config
+            (run_dir / "config.yaml").write_text(dump_config(c))
         start = int(jax.device_get(state.step))
         tokens_per_step = c.train.batch_size * c.data.seq_len
         flops = training_flops_per_token(c.model, c.data.seq_len, c.moe) * tokens_per_step
@@ -144,6 +146,7 @@ class Run:
                 self.reporter.hold(step, metrics, eval_losses)
             if act.save:  # never save past a bad step, logged or not
                 watch.check(self.reporter.flush() or _unlogged(step, metrics))
+                watch.check_params(step, state.params)
                 save_start = time.perf_counter()
                 self.checkpoints.save(step, trainer.canonical_state(state), data_state, c)
                 if act.measure:
@@ -151,6 +154,7 @@ class Run:
             if act.stop:
                 break
         watch.check(self.reporter.flush())
+        watch.check_skips(step - self.start_step)
         return step
 
     def _compiled_step(self):

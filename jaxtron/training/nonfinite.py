@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from jaxtron.config.schema import Config
@@ -13,6 +14,11 @@ from jaxtron.errors import JaxtronError
 
 class NonFiniteError(JaxtronError):
     """Training produced a NaN or Inf under train.on_nan=stop."""
+
+
+@jax.jit
+def _all_finite(params) -> jax.Array:
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(params)]))
 
 
 class NonFiniteWatch:
@@ -25,6 +31,7 @@ class NonFiniteWatch:
         self.config, self.checkpoints = config, checkpoints
         self.skipped = int(jax.device_get(optax.tree_utils.tree_get(state.opt_state,
                                                                     "total_notfinite")))
+        self.skipped_at_start = self.skipped
 
     def check(self, record: dict | None) -> None:
         if record is None:
@@ -34,11 +41,31 @@ class NonFiniteWatch:
         bad = not (math.isfinite(record["loss"]) and math.isfinite(record["grad_norm"]))
         if self.config.train.on_nan != "stop" or not (bad or skipped):
             return
-        latest = self.checkpoints.latest_step()
-        where = (f"the last checkpoint, step {latest} in {self.checkpoints.directory}, is intact"
-                 if latest is not None else "no checkpoint had been written")
         raise NonFiniteError(
             f"a non-finite loss or gradient appeared at or before step {record['step']} "
             f"(loss {record['loss']}, grad_norm {record['grad_norm']}); the update was not "
-            f"applied and {where}. Lower optim.lr, raise optim.warmup_steps, or set "
+            f"applied and {self._intact()}. Lower optim.lr, raise optim.warmup_steps, or set "
             "train.on_nan=skip to skip such updates.")
+
+    def check_params(self, step: int, params) -> None:
+        """Before a save: a checkpoint is vouched for only if its parameters are finite (an
+        update can overflow them while its step's loss and gradients were finite)."""
+        if bool(_all_finite(params)):
+            return
+        raise NonFiniteError(
+            f"the update of step {step} made parameters non-finite, so it was not saved; "
+            f"{self._intact()}. Lower optim.lr or raise optim.warmup_steps.")
+
+    def check_skips(self, updates: int) -> None:
+        """At the end: a run that skipped most of its updates (train.on_nan=skip) did not
+        train, and says so instead of ending as done."""
+        if updates and self.skipped - self.skipped_at_start > updates / 2:
+            raise NonFiniteError(
+                f"{self.skipped - self.skipped_at_start} of this run's {updates} updates were "
+                "skipped for non-finite gradients (train.on_nan=skip): it did not train. "
+                "Lower optim.lr or raise optim.warmup_steps.")
+
+    def _intact(self) -> str:
+        latest = self.checkpoints.latest_step()
+        return (f"the last checkpoint, step {latest} in {self.checkpoints.directory}, is intact"
+                if latest is not None else "no checkpoint had been written")

@@ -25,6 +25,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import optax
 from flax import nnx
 
 from jaxtron.config.schema import Config
@@ -132,10 +133,18 @@ class StagedModel:
         return math.prod(self.mesh.shape.get(a, 1) for a in axes)
 
     def _convert(self, params, blocks_fn, ends_fn) -> nnx.State:
+        """`params` (or optimizer state shaped like them) with its blocks and ends converted.
+        A masked entry (optax.partition's placeholder for the parameters another part of the
+        optimizer updates, as Muon's and Adam's parts do) has no array to convert."""
+        def unless_masked(fn):
+            return lambda var, *rest: (var if isinstance(var.get_value(), optax.MaskedNode)
+                                       else fn(var, *rest))
+
         converted = dict(params.items())
-        converted["blocks"] = jax.tree.map(blocks_fn, params["blocks"], is_leaf=_is_variable)
+        converted["blocks"] = jax.tree.map(unless_masked(blocks_fn), params["blocks"],
+                                           is_leaf=_is_variable)
         for name in self.ends:
-            converted[name] = self._map_with_model(params[name], name, ends_fn)
+            converted[name] = self._map_with_model(params[name], name, unless_masked(ends_fn))
         return nnx.State(converted)
 
     def _map_with_model(self, tree, name, fn):
