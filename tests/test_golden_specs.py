@@ -1,12 +1,14 @@
 """Golden parameter PartitionSpecs for configs/tiny.yaml: a change in placement is deliberate.
 
 Regenerate after an intended change with JAXTRON_UPDATE_GOLDEN=1 pytest tests/test_golden_specs.py
+(that run rewrites the file and fails), then check it with a run without the variable.
 """
 
 import json
 import os
 from pathlib import Path
 
+import pytest
 from flax import nnx
 
 from jaxtron.config.loading import load_config
@@ -33,5 +35,7 @@ def specs(overrides):
 def test_partition_specs_match_golden_file():
     current = {name: specs(overrides) for name, overrides in LAYOUTS.items()}
     if os.environ.get("JAXTRON_UPDATE_GOLDEN"):
+        # The run that writes the file has nothing to compare against: it must not pass.
         GOLDEN.write_text(json.dumps(current, indent=1, sort_keys=True) + "\n")
+        pytest.fail(f"rewrote {GOLDEN}; review the diff and rerun without JAXTRON_UPDATE_GOLDEN")
     assert current == json.loads(GOLDEN.read_text())

@@ -1,6 +1,7 @@
 """The train loop's policies: random cadences and resume points never crash, log each step once,
 save where asked, and resume to the uninterrupted run's losses."""
 
+import dataclasses
 import random
 
 import jax
@@ -15,27 +16,57 @@ from jaxtron.training.nonfinite import NonFiniteError, NonFiniteWatch
 from conftest import make_config, metric_records
 
 
+def expected_steps(steps, log_every, eval_every, every, stop_at=None):
+    """Which steps of a run evaluate, log, save and stop, listed from the cadences alone: the
+    multiples of each cadence up to the end, plus the end itself (the last step or the stop)."""
+    end = stop_at or steps
+
+    def multiples(n):
+        return set(range(n, end + 1, n)) if n else set()
+
+    evaluate = multiples(eval_every) | ({steps} if end == steps else set())
+    return {"evaluate": evaluate, "log": multiples(log_every) | evaluate | {end},
+            "save": multiples(every) | {end}, "stop": {end}, "ran": set(range(1, end + 1))}
+
+
+def steps_acted_on(policy, stop_at=None):
+    """Run `policy` step by step until it says stop: the steps at which it chose each action."""
+    done = {"evaluate": set(), "log": set(), "save": set(), "stop": set(), "ran": set()}
+    for step in range(1, policy.steps + 1):
+        actions = policy.after(step, stop_requested=step == stop_at)
+        done["ran"].add(step)
+        for name in ("evaluate", "log", "save", "stop"):
+            if getattr(actions, name):
+                done[name].add(step)
+        if actions.stop:
+            break
+    return done
+
+
 def test_policy_over_random_cadences():
     rng = random.Random(0)
     for _ in range(2000):
         steps = rng.randint(1, 40)
-        policy = LoopPolicy(steps, rng.randint(1, 12), rng.randint(0, 12), rng.randint(0, 12))
+        cadences = rng.randint(1, 12), rng.randint(0, 12), rng.randint(0, 12)
         stop_at = rng.choice([None, rng.randint(1, steps)])
-        done = []
-        for step in range(1, steps + 1):
-            act = policy.after(step, stop_requested=step == stop_at)
-            done.append((step, act))
-            if act.stop:
-                break
-        last, final = done[-1]
-        assert final.stop and final.save and final.log  # the end is always saved and logged
-        assert last == (stop_at or steps)
-        for step, act in done:
-            assert act.log == (act.stop or act.evaluate or step % policy.log_every == 0)
-            every = policy.checkpoint_every
-            assert act.save == (act.stop or bool(every and step % every == 0))
-            assert act.evaluate == (step == steps or bool(policy.eval_every
-                                                          and step % policy.eval_every == 0))
+        got = steps_acted_on(LoopPolicy(steps, *cadences), stop_at)
+        assert got == expected_steps(steps, *cadences, stop_at), (steps, cadences, stop_at)
+
+
+class SavesOneStepEarly(LoopPolicy):
+    """A wrong policy: its periodic saves come one step before each multiple."""
+
+    def after(self, step, stop_requested=False):
+        actions = super().after(step, stop_requested)
+        early = bool(self.checkpoint_every and (step + 1) % self.checkpoint_every == 0)
+        return dataclasses.replace(actions, save=actions.stop or early)
+
+
+def test_the_listed_steps_notice_a_policy_that_saves_one_step_early():
+    wrong = steps_acted_on(SavesOneStepEarly(20, 4, 10, 5))
+    assert wrong["save"] == {4, 9, 14, 19, 20}
+    assert wrong != expected_steps(20, 4, 10, 5)
+    assert steps_acted_on(LoopPolicy(20, 4, 10, 5)) == expected_steps(20, 4, 10, 5)
 
 
 # Constant learning rate (warm-up 1, no decay), so a run stopped early and resumed with more
@@ -58,15 +89,15 @@ def test_random_cadences_and_resume_points_train_like_one_run(tmp_path, seed):
     split = tmp_path / "split"
     run_training(config_for(split, stop, log_every, eval_every, every))  # ends (and saves) at stop
     run_training(config_for(split, steps, log_every, eval_every, every))  # resumes at stop
-    policy = LoopPolicy(steps, log_every, eval_every, every)
-    logged = [s for s in range(1, steps + 1) if policy.after(s).log]
+    expected = expected_steps(steps, log_every, eval_every, every)
+    logged = sorted(expected["log"])
     whole_rows, split_rows = metric_records(whole), metric_records(split)
     assert [r["step"] for r in whole_rows] == logged
     assert [r["step"] for r in split_rows] == sorted(set(logged) | {stop})  # one row per step
     losses = {r["step"]: r["loss"] for r in split_rows}
     assert all(losses[r["step"]] == r["loss"] for r in whole_rows), (whole_rows, split_rows)
     saved = sorted(Checkpointer(checkpoint_dir(whole), 100, read_only=True).manager.all_steps())
-    assert saved == [s for s in range(1, steps + 1) if policy.after(s).save]
+    assert saved == sorted(expected["save"])
 
 
 def test_checkpoint_steps_that_are_not_log_steps(tmp_path):

@@ -90,18 +90,72 @@ def test_llama_and_gpt2_variants_have_their_parameters():
     assert llama[("blocks", "attn", "wk")].shape == (2, 64, 2, 16)  # N, D, G, K
 
 
-def test_bf16_compute_keeps_fp32_params_grads_and_loss():
+BF16_ROUNDING = 2.0**-9  # bf16 keeps 8 significant bits: round-to-nearest is within 2^-9
+
+
+def _bf16_roundings(cfg) -> int:
+    """Roundings to bf16 on the way from tokens to logits: the embedding, then per layer
+    q/k/v, the attention output, its projection, gate/up and down, then the head."""
+    return 6 * cfg.num_layers + 2
+
+
+def rms(x) -> float:
+    return float(np.sqrt(np.mean(np.square(np.asarray(x, np.float64)))))
+
+
+def _trained_fp32(steps=5, lr=0.5):
+    """Parameters after a few SGD steps on one batch, so that the logits differ by more than
+    init's near-uniform guess (whose loss is ln V whatever the hidden states are)."""
     _, graph32, params = build()
-    _, graph16, _ = build(dtype="bfloat16")
-    toks = tokens()
+    toks = tokens(batch=4, length=64)
+    first = None
+    for _ in range(steps):
+        loss, grads = loss_and_grads(graph32, params, toks)
+        first = first if first is not None else float(loss)
+        params = jax.tree.map(lambda p, g: p - lr * g, params, grads)
+    assert float(loss) < first - 0.5  # it trained
+    return graph32, params, toks
+
+
+def _bf16_forward_error(params, graph32, toks, graph16, params16=None) -> float:
+    """rms(bf16 logits - fp32 logits) relative to the spread of the fp32 logits; the bf16
+    forward runs `params16` when given (a perturbed copy)."""
+    def apply(graph, p):
+        return np.asarray(jax.jit(lambda p: nnx.merge(graph, p)(toks[:, :-1]))(p), np.float32)
+    want = apply(graph32, params)
+    got = apply(graph16, params if params16 is None else params16)
+    return rms(got - want) / rms(want - want.mean(-1, keepdims=True))
+
+
+def test_bf16_compute_keeps_fp32_params_grads_and_loss_within_bf16_rounding():
+    """Each bf16 rounding errs by at most 2^-9, independently: after n roundings the logits'
+    rms error is within 2^-9 sqrt(n) of their spread; the backward rounds as often again."""
+    graph32, params, toks = _trained_fp32()
+    cfg16, graph16, _ = build(dtype="bfloat16")
     logits = jax.jit(lambda p: nnx.merge(graph16, p)(toks))(params)
     assert logits.dtype == jnp.bfloat16
+    n = _bf16_roundings(cfg16)
+    assert _bf16_forward_error(params, graph32, toks, graph16) <= BF16_ROUNDING * np.sqrt(n)
     loss16, grads16 = loss_and_grads(graph16, params, toks)
-    loss32, _ = loss_and_grads(graph32, params, toks)
+    loss32, grads32 = loss_and_grads(graph32, params, toks)
     assert loss16.dtype == jnp.float32
     assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads16))
-    # bf16 keeps 8 bits of mantissa: ~0.4% relative error per op, well under 2% on the loss.
-    np.testing.assert_allclose(loss16, loss32, rtol=2e-2)
+    flat = lambda tree: np.concatenate([np.ravel(x) for x in jax.tree.leaves(tree)])  # noqa: E731
+    assert rms(flat(grads16) - flat(grads32)) <= BF16_ROUNDING * np.sqrt(2 * n) * rms(
+        flat(grads32))
+
+
+def test_the_bf16_comparison_catches_one_wrong_matmul():
+    """The bound above is tight enough to fail on a forward whose one matmul is 10% off
+    (the first layer's attention output projection), as a wrong bf16 kernel would be."""
+    graph32, params, toks = _trained_fp32()
+    cfg16, graph16, _ = build(dtype="bfloat16")
+    wrong = jax.tree.map(lambda x: x, params)
+    wo = dict(nnx.to_flat_state(wrong))[("blocks", "attn", "wo")]
+    noise = np.random.default_rng(0).standard_normal(wo.shape[1:])
+    wo[...] = wo[...].at[0].multiply(1 + 0.1 * noise)
+    error = _bf16_forward_error(params, graph32, toks, graph16, params16=wrong)
+    assert error > BF16_ROUNDING * np.sqrt(_bf16_roundings(cfg16))
 
 
 def test_cross_entropy_matches_log_softmax_reference():

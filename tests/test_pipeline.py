@@ -107,20 +107,21 @@ def run(layout, model=None, steps=1):
     batch = trainer.put_batch(next(batches))
     loss, grads = trainer.loss_and_grads(state.params, batch)
     eval_loss = float(trainer.eval_loss(state, batch))
-    losses = []
+    as_model = trainer.to_model_params
+    losses, params_after = [], []  # params_after[k]: the parameters after k + 1 updates
     for _ in range(steps):
         state, metrics = trainer.step(state, batch)
         losses.append(float(metrics["loss"]))
+        params_after.append(jax.device_get(nnx.to_pure_dict(as_model(state.params))))
         batch = trainer.put_batch(next(batches))
-    as_model = trainer.to_model_params
     return (float(loss), jax.device_get(nnx.to_pure_dict(as_model(grads))), losses,
-            jax.device_get(nnx.to_pure_dict(as_model(state.params))), eval_loss)
+            params_after, eval_loss)
 
 
 CASES = {
     "1f1b_p2_m2": {"mesh.stage": 2, "pipeline.microbatches": 2},
     "1f1b_p4_m4": {"mesh.stage": 4, "pipeline.microbatches": 4},
-    "1f1b_p4_m8_data2": {"mesh.stage": 4, "mesh.data": 2, "pipeline.microbatches": 4},
+    "1f1b_p4_m8": {"mesh.stage": 4, "pipeline.microbatches": 8},  # steady state: m > p
     "gpipe_p2_m4": {"mesh.stage": 2, "pipeline.microbatches": 4, "pipeline.schedule": "gpipe"},
     "gpipe_p4_m2": {"mesh.stage": 4, "pipeline.microbatches": 2, "pipeline.schedule": "gpipe"},
     "interleaved_p2_v2_m4": {"mesh.stage": 2, "pipeline.microbatches": 4,
@@ -180,9 +181,20 @@ def assert_same(got, want):
     for a, b in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1]), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(got[2], want[2][:len(got[2])], rtol=1e-5)
-    if len(got[2]) == len(want[2]):
-        for a, b in zip(jax.tree.leaves(got[3]), jax.tree.leaves(want[3]), strict=True):
-            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    assert got[3], "no update ran"
+    for after, (params, reference) in enumerate(zip(got[3], want[3]), 1):  # after each update
+        for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(reference), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5,
+                                       err_msg=f"parameters after {after} update(s)")
+
+
+def test_the_comparison_notices_parameters_after_a_wrong_number_of_updates():
+    """The schedule cases run one update: its parameters are compared, so a pipeline whose
+    update went missing or ran twice fails."""
+    want = sequential("llama")
+    twice = (*want[:2], want[2][:1], [want[3][1]], want[4])  # two updates' parameters
+    with pytest.raises(AssertionError, match="parameters after 1 update"):
+        assert_same(twice, want)
 
 
 @pytest.mark.parametrize("name", CASES)

@@ -5,7 +5,6 @@ import json
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -67,9 +66,8 @@ def test_a_second_run_in_a_busy_folder_stops_and_a_dead_runs_lock_is_taken_over(
     first = start_and_wait(command(tmp_path, "train.steps=100000"), "step      2/100000")
     holder = json.loads((tmp_path / ".lock").read_text())
     assert holder["pid"] == first.pid
-    start = time.monotonic()
     second = subprocess.run(command(tmp_path), capture_output=True, text=True, timeout=300)
-    assert second.returncode == 2 and time.monotonic() - start < 60
+    assert second.returncode == 2
     assert f"is in use by another run (pid {first.pid} on host {holder['host']}" in second.stderr
     assert len(second.stderr.strip().splitlines()) == 1
     first.send_signal(signal.SIGKILL)

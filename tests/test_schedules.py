@@ -41,6 +41,23 @@ def megatron_lr(step, style, decay_steps=STEPS, wsd_steps=20, wsd_style="linear"
     return min_lr + coeff * (max_lr - min_lr)
 
 
+TOLERANCE = {"rtol": 1e-5, "atol": 1e-12}
+
+
+def configured_schedule(style, **optim):
+    return learning_rate(make_config({"train.steps": STEPS}, optim={
+        "lr": PEAK, "min_lr_ratio": RATIO, "warmup_steps": WARMUP, "schedule": style, **optim}))
+
+
+def rates(schedule):
+    """The schedule's rate at every update of the run and a few past its end."""
+    return np.array([float(schedule(t)) for t in range(STEPS + 5)])
+
+
+def closed_form(style, **reference):
+    return np.array([megatron_lr(t, style, **reference) for t in range(STEPS + 5)])
+
+
 @pytest.mark.parametrize("style, extra, reference", [
     ("cosine", {}, {}),
     ("linear", {}, {}),
@@ -54,12 +71,15 @@ def megatron_lr(step, style, decay_steps=STEPS, wsd_steps=20, wsd_style="linear"
     ("inverse_sqrt", {"decay_steps": 60}, {"decay_steps": 60}),
 ])
 def test_each_schedule_equals_its_closed_form_at_every_step(style, extra, reference):
-    config = make_config({"train.steps": STEPS}, optim={
-        "lr": PEAK, "min_lr_ratio": RATIO, "warmup_steps": WARMUP, "schedule": style, **extra})
-    schedule = learning_rate(config)
-    got = np.array([float(schedule(t)) for t in range(STEPS + 5)])
-    want = np.array([megatron_lr(t, style, **reference) for t in range(STEPS + 5)])
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-12)
+    schedule = configured_schedule(style, **extra)
+    np.testing.assert_allclose(rates(schedule), closed_form(style, **reference), **TOLERANCE)
+
+
+def test_the_closed_form_notices_a_warmup_one_step_late():
+    schedule = configured_schedule("cosine")
+    late = rates(lambda t: schedule(max(t - 1, 0)))
+    assert not np.allclose(late, closed_form("cosine"), **TOLERANCE)
+    assert np.allclose(late[1:], closed_form("cosine")[:-1], **TOLERANCE)  # only the delay
 
 
 def test_a_wsd_run_logs_warmup_stable_and_decay(tmp_path):

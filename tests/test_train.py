@@ -1,5 +1,6 @@
 """Training works: it overfits, learns the corpus, and shards without changing the numbers."""
 
+import re
 import struct
 import subprocess
 import sys
@@ -65,6 +66,12 @@ def test_data_parallel_matches_one_device_with_accumulation():
     assert single[0][0] != reference[0][0]  # different batch size, different first loss
 
 
+# configs/tiny.yaml by hand: 4 layers of q, o (128 x 128), k, v (128 x 64) and a 3-matrix MLP
+# (128 x 384), a 128 x 256 head: 819,200 weights at 6 FLOPs each per token, plus the 128-token
+# causal attention, 4 layers x 2 matmuls x 2 x 4 heads x 32 x (128 + 1) / 2 keys, 3 x forward.
+TINY_FLOPS_PER_TOKEN = 6 * 819_200 + 3 * 4 * 2 * 2 * 4 * 32 * (128 + 1) / 2
+
+
 def test_cli_trains_tiny_config_and_writes_metrics(tmp_path):
     run_dir = tmp_path / "run"
     result = subprocess.run(
@@ -76,9 +83,12 @@ def test_cli_trains_tiny_config_and_writes_metrics(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     records = metric_records(run_dir)
     assert [r["step"] for r in records] == [10, 20, 30, 40, 50, 60]
+    peak_gflops = float(re.search(r"peak ([\d,.]+) GFLOP/s", result.stdout)[1].replace(",", ""))
     for r in records:
         assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu"} <= r.keys()
-        assert 0 < r["mfu"] < 1 and r["tokens_per_s"] > 0
+        # MFU is the model's FLOPs at the logged token rate over the printed peak
+        implied_peak = TINY_FLOPS_PER_TOKEN * r["tokens_per_s"] / r["mfu"] / 1e9
+        assert implied_peak == pytest.approx(peak_gflops, abs=0.05 + 1e-6 * peak_gflops), r
     assert "eval_loss" in records[2] and "eval_loss" in records[-1]
     # An untrained byte model sits at ln(256) = 5.55; 60 steps must get well below it.
     assert records[-1]["loss"] < 3.2 and records[-1]["loss"] < records[0]["loss"] - 0.5

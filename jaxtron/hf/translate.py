@@ -188,8 +188,9 @@ def to_hf(config: Config, params: dict) -> tuple[dict, dict[str, np.ndarray]]:
           "initializer_range": m.init_std, "torch_dtype": dtype}
     window = m.sliding_window
     # Qwen: windowed layers are those from max_window_layers on, so 0 windows every layer.
-    qwen_window = dict(use_sliding_window=window is not None, sliding_window=window,
-                       max_window_layers=0 if window is not None else m.num_layers)
+    qwen_window = dict(use_sliding_window=window is not None, sliding_window=window)
+    if window is not None:
+        qwen_window["max_window_layers"] = 0
     if arch == MISTRAL:
         hf.update(sliding_window=window)
     elif arch == MIXTRAL:
@@ -416,6 +417,8 @@ def _overrides(arch: str, dims: dict, hf: dict, dtype: str) -> tuple[dict, dict]
     moe = {"num_experts": dims["E"], "top_k": hf["num_experts_per_tok"], "every": 1,
            "shared_experts": 0, "router": "topk_then_softmax", "expert_mlp_dim": None,
            "mode": "dropless"}
+    if "router_aux_loss_coef" in hf:  # Mixtral's and Qwen3-MoE's Switch balance loss weight
+        moe["aux_loss_coef"] = float(hf["router_aux_loss_coef"])
     if arch == QWEN3_MOE:
         moe.update(expert_mlp_dim=dims["F"], router="topk_then_softmax" if get("norm_topk_prob")
                    else "softmax_then_topk")
