@@ -22,7 +22,6 @@ USERS_CODEGEN = {"xla_cpu_use_fusion_emitters": True}
 os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""),
                                     "--xla_force_host_platform_device_count=8",
                                     FAST_COMPILE_FLAGS]).strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
@@ -38,6 +37,21 @@ gc.freeze()
 
 TINY_MODEL = {"num_layers": 2, "d_model": 64, "num_heads": 4, "num_kv_heads": 2,
               "mlp_dim": 128, "vocab_size": 256, "max_seq_len": 256}
+
+
+def selects_gpu_tests(markexpr: str) -> bool:
+    """Whether `-m` asks for the GPU tests (`gpu`, `gpu and not slow`), not against them."""
+    return "gpu" in markexpr and "not gpu" not in markexpr
+
+
+def pytest_configure(config):
+    """JAX runs on the simulated CPU devices, in this process and the CLIs it starts, unless
+    JAX_PLATFORMS says otherwise or the session selects the GPU tests (`pytest -m gpu`), which
+    then run on the machine's accelerator. No backend has started yet: only the flag is set."""
+    if os.environ.get("JAX_PLATFORMS") is None and not selects_gpu_tests(
+            config.getoption("markexpr") or ""):
+        os.environ["JAX_PLATFORMS"] = "cpu"
+        jax.config.update("jax_platforms", "cpu")
 
 
 @pytest.fixture(scope="session", autouse=True)

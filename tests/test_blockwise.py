@@ -1,12 +1,17 @@
-"""The blockwise causal attention (the `xla` path) equals the reference in value and gradient."""
+"""The blockwise causal attention (the `xla` path) equals the reference in value and gradient;
+with fewer queries than keys, where the `xla` path runs the reference itself (blockwise takes
+self-attention only), that equals the numpy oracle's bottom-right causal attention."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxtron.kernels.attention import attention
 from jaxtron.kernels.blockwise import blockwise_causal_attention, chunk_count
 from jaxtron.kernels.reference import reference_attention
+
+from attention_oracle import assert_bottom_right_not_top_left
 
 
 @pytest.mark.parametrize("heads, kv_heads, length, chunks, segments", [
@@ -31,6 +36,20 @@ def test_values_and_gradients_equal_the_reference(heads, kv_heads, length, chunk
                                                          chunks=chunks))
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_xla_path_with_fewer_queries_than_keys_is_bottom_right_causal():
+    keys = jax.random.split(jax.random.key(4), 4)
+    q = jax.random.normal(keys[0], (2, 16, 4, 8))
+    k, v = (jax.random.normal(x, (2, 40, 2, 8)) for x in keys[1:3])
+    d_out = jax.random.normal(keys[3], q.shape)
+
+    @jax.jit
+    def output_and_grads(q, k, v, d_out):
+        out, vjp = jax.vjp(lambda *a: attention(*a, causal=True, impl="xla"), q, k, v)
+        return out, vjp(d_out)
+
+    assert_bottom_right_not_top_left(output_and_grads(q, k, v, d_out), q, k, v, d_out)
 
 
 def test_chunking_kicks_in_for_longer_sequences():

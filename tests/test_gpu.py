@@ -1,6 +1,6 @@
 """Checks that need a GPU: the kernels compiled by Triton and cuDNN, and bf16 training on them.
 
-Run by `python -m jaxtron.gpu_check` (or `JAX_PLATFORMS=cuda pytest -m gpu`). Without a GPU
+Run by `python -m jaxtron.gpu_check` or `pytest -m gpu` (the GPU is then JAX's platform). Without a GPU
 every test here skips with the reason; on CPU, `test_lowering.py` lowers the same code for
 `cuda` and `rocm` and the interpret-mode tests check the kernels' numbers.
 """

@@ -1,5 +1,6 @@
 """Mixture of experts: routing semantics, auxiliary losses, and expert parallelism."""
 
+import dataclasses
 import subprocess
 import sys
 
@@ -25,35 +26,138 @@ def moe_layer(**moe):
     return MoE(config.model, config.moe, nnx.Rngs(3)), config
 
 
+# --- routing and the dense mixture in numpy (float64), written from docs/moe.md ---------------
+
+def numpy_routing(logits_TxE, moe):
+    """-> (ranked_TxE, weights_TxK): each token's experts best first (ranked[:, :k] are the
+    chosen ones) and their combine weights.
+
+    score=softmax: p = softmax(logits); topk_then_softmax renormalises the k chosen p to sum 1
+    (the same as a softmax over the chosen logits), softmax_then_topk keeps them as they are.
+    score=sigmoid: s = sigmoid(logits), the k chosen s renormalised when k > 1. With
+    route_groups G the experts form G equal consecutive groups, a group scores the sum of its
+    two best, and only the experts of the route_top_groups best groups may be chosen. Ties go
+    to the lower index; every weight is multiplied by route_scale."""
+    k = moe.top_k
+    if moe.score == "sigmoid":
+        scores_TxE = 1.0 / (1.0 + np.exp(-logits_TxE))
+    else:
+        scores_TxE = np.exp(logits_TxE - logits_TxE.max(axis=-1, keepdims=True))
+        scores_TxE /= scores_TxE.sum(axis=-1, keepdims=True)
+    allowed_TxE = allowed_experts(scores_TxE, moe.route_groups, moe.route_top_groups)
+    ranked_TxE = np.argsort(-np.where(allowed_TxE, scores_TxE, -np.inf), axis=-1,
+                            kind="stable")
+    chosen_TxK = np.take_along_axis(scores_TxE, ranked_TxE[:, :k], axis=-1)
+    renormalise = k > 1 if moe.score == "sigmoid" else moe.router == "topk_then_softmax"
+    if renormalise:
+        chosen_TxK = chosen_TxK / chosen_TxK.sum(axis=-1, keepdims=True)
+    return ranked_TxE, chosen_TxK * moe.route_scale
+
+
+def allowed_experts(scores_TxE, groups, top_groups):
+    """The experts of each token's best groups (every expert when groups == 1): bool [T, E]."""
+    tokens, experts = scores_TxE.shape
+    per_group = experts // groups
+    best_first_TxGxS = -np.sort(-scores_TxE.reshape(tokens, groups, per_group), axis=-1)
+    group_score_TxG = best_first_TxGxS[..., :2].sum(axis=-1)
+    best_groups = np.argsort(-group_score_TxG, axis=-1, kind="stable")[:, :top_groups]
+    allowed_TxG = np.zeros((tokens, groups), bool)
+    np.put_along_axis(allowed_TxG, best_groups, True, axis=-1)
+    return np.repeat(allowed_TxG, per_group, axis=-1)
+
+
+def numpy_mixture(layer, x_TxD, experts_TxK, weights_TxK, kept_TxK=None):
+    """Each token's sum over its kept assignments of weight x SwiGLU expert, silu(x W_gate) *
+    (x W_up) W_down, computed densely: every expert on every token, combined through a [T, E]
+    gate that is zero off the routing."""
+    w_gate, w_up, w_down = (np.asarray(w[...], np.float64)
+                            for w in (layer.w_gate, layer.w_up, layer.w_down))
+    kept_TxK = np.ones(experts_TxK.shape, bool) if kept_TxK is None else kept_TxK
+    gate_TxE = np.zeros((x_TxD.shape[0], w_gate.shape[0]))
+    rows_TxK = np.broadcast_to(np.arange(x_TxD.shape[0])[:, None], experts_TxK.shape)
+    np.add.at(gate_TxE, (rows_TxK, experts_TxK), np.where(kept_TxK, weights_TxK, 0.0))
+    g_ExTxF = np.einsum("td,edf->etf", x_TxD, w_gate)
+    h_ExTxF = g_ExTxF / (1.0 + np.exp(-g_ExTxF)) * np.einsum("td,edf->etf", x_TxD, w_up)
+    return np.einsum("te,etf,efd->td", gate_TxE, h_ExTxF, w_down)
+
+
+def router_logits(layer, x_BxLxD):
+    """(x as [T, D], the router's logits [T, E]), in float64."""
+    x_TxD = np.asarray(x_BxLxD, np.float64).reshape(-1, x_BxLxD.shape[-1])
+    return x_TxD, x_TxD @ np.asarray(layer.router[...], np.float64)
+
+
 def dense_reference(layer, x_BxLxD, kept_BxLxK=None):
-    """Every token through each chosen expert, weighted; nothing shared, nothing batched."""
-    logits = jnp.einsum("bld,de->ble", x_BxLxD, layer.router[...])
-    weights, experts, _ = route(logits, layer.moe.top_k, layer.moe.router)
-    out = np.zeros(x_BxLxD.shape, np.float32)
-    b, length, k = experts.shape
-    for i in range(b):
-        for t in range(length):
-            for j in range(k):
-                if kept_BxLxK is not None and not kept_BxLxK[i, t, j]:
-                    continue
-                e = int(experts[i, t, j])
-                h = (jax.nn.silu(x_BxLxD[i, t] @ layer.w_gate[e]) * (x_BxLxD[i, t] @ layer.w_up[e]))
-                out[i, t] += float(weights[i, t, j]) * np.asarray(h @ layer.w_down[e])
-    return out, np.asarray(experts)
+    """-> (y_BxLxD, experts_BxLxK) from the numpy routing and mixture: of the layer, only its
+    parameters are used."""
+    b, length, d = x_BxLxD.shape
+    k = layer.moe.top_k
+    x_TxD, logits_TxE = router_logits(layer, x_BxLxD)
+    ranked_TxE, weights_TxK = numpy_routing(logits_TxE, layer.moe)
+    kept_TxK = None if kept_BxLxK is None else np.asarray(kept_BxLxK).reshape(-1, k)
+    y_TxD = numpy_mixture(layer, x_TxD, ranked_TxE[:, :k], weights_TxK, kept_TxK)
+    return y_TxD.reshape(b, length, d), ranked_TxE[:, :k].reshape(b, length, k)
+
+
+def assert_close(got, want):
+    """The float32 layer against the float64 reference, the tolerance scaled to the output."""
+    scale = float(np.abs(want).max())
+    assert scale > 1e-4, scale  # not a comparison between near-zero numbers
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-4, atol=1e-5 * scale)
 
 
 def tokens_x(b=2, length=16, d=64, seed=0):
     return jax.random.normal(jax.random.key(seed), (b, length, d))
 
 
-@pytest.mark.parametrize("router", ["topk_then_softmax", "softmax_then_topk"])
-def test_dropless_equals_the_dense_reference(router):
-    layer, _ = moe_layer(mode="dropless", router=router)
+def next_expert_for_token_0(moe, logits_TxE):
+    """A mistake: token 0's k-th choice replaced by its (k+1)-th best expert, same weights."""
+    ranked_TxE, weights_TxK = numpy_routing(logits_TxE, moe)
+    experts_TxK = ranked_TxE[:, :moe.top_k].copy()
+    experts_TxK[0, -1] = ranked_TxE[0, moe.top_k]
+    return experts_TxK, weights_TxK
+
+
+def other_router_order(moe, logits_TxE):
+    """A mistake: the chosen probabilities renormalised where they should not be, or kept
+    where they should be renormalised."""
+    flipped = {"topk_then_softmax": "softmax_then_topk",
+               "softmax_then_topk": "topk_then_softmax"}[moe.router]
+    ranked_TxE, weights_TxK = numpy_routing(logits_TxE, dataclasses.replace(moe, router=flipped))
+    return ranked_TxE[:, :moe.top_k], weights_TxK
+
+
+def groups_ignored(moe, logits_TxE):
+    """A mistake: the top-k taken over every expert, not only those of the best groups."""
+    ranked_TxE, weights_TxK = numpy_routing(logits_TxE, dataclasses.replace(moe, route_groups=1))
+    return ranked_TxE[:, :moe.top_k], weights_TxK
+
+
+ROUTINGS = {  # settings, and mistakes the comparison must notice
+    "mixtral": ({"router": "topk_then_softmax"}, (next_expert_for_token_0, other_router_order)),
+    "switch": ({"router": "softmax_then_topk"}, (next_expert_for_token_0, other_router_order)),
+    "deepseek_v3": ({"score": "sigmoid", "num_experts": 8, "route_groups": 4,
+                     "route_top_groups": 2, "route_scale": 2.5},
+                    (next_expert_for_token_0, groups_ignored)),
+}
+
+
+@pytest.mark.parametrize("routing", list(ROUTINGS))
+def test_dropless_equals_the_dense_reference(routing):
+    """The layer equals the numpy reference; the same comparison fails on a routing with one
+    deliberate mistake."""
+    settings, mistakes = ROUTINGS[routing]
+    layer, _ = moe_layer(mode="dropless", **settings)
     x = tokens_x()
     y, stats = layer(x)
     want, _ = dense_reference(layer, x)
-    np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-5)
+    assert_close(y, want)
     assert float(stats["dropped"]) == 0.0
+    x_TxD, logits_TxE = router_logits(layer, x)
+    for mistake in mistakes:
+        wrong_TxD = numpy_mixture(layer, x_TxD, *mistake(layer.moe, logits_TxE))
+        with pytest.raises(AssertionError):
+            assert_close(y, wrong_TxD.reshape(y.shape))
 
 
 def test_top_k_equals_lax_top_k_with_ties_and_gradients():
@@ -101,7 +205,7 @@ def test_tiny_capacity_drops_exactly_the_predicted_assignments():
     np.testing.assert_array_equal(got_keep, keep)
     y, stats = layer(x)
     want, _ = dense_reference(layer, x, keep)
-    np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-5)
+    assert_close(y, want)
     assert float(stats["dropped"]) == pytest.approx(1 - keep.mean())
     assert 0.5 < float(stats["dropped"]) < 1
 
@@ -111,7 +215,7 @@ def test_generous_capacity_drops_nothing_and_matches_dropless():
     capped, _ = moe_layer(mode="capacity", capacity_factor=2.0)  # C = 16 = L
     y, stats = capped(x)
     want, _ = dense_reference(capped, x)
-    np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-5)
+    assert_close(y, want)
     assert float(stats["dropped"]) == 0.0
 
 

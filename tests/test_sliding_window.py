@@ -40,6 +40,7 @@ from jaxtron.models.generation import decode_step, prefill
 from jaxtron.models.transformer import Transformer
 from jaxtron.training.flops import attended_keys, training_flops_per_token
 
+from attention_oracle import assert_matches, attention_and_grads
 from conftest import make_config
 
 
@@ -110,6 +111,13 @@ def test_flash_with_fewer_queries_than_keys_is_bottom_right_windowed(block_q):
                                              window=9, block_q=block_q, block_k=8),
                            q, k, v, cotangent)
     assert_same(got, output_and_grads(reference(9), q, k, v, cotangent))
+    # and against numpy with the mask built explicitly: query i stands at key i + 24 and sees
+    # the 9 keys up to it
+    shift, window = 40 - 16, 9
+    mask = (np.tril(np.ones((16, 40), bool), k=shift)
+            & ~np.tril(np.ones((16, 40), bool), k=shift - window))
+    assert mask.sum(axis=1).tolist() == [window] * 16
+    assert_matches(got, attention_and_grads(q, k, v, cotangent, mask))
 
 
 def test_splash_takes_the_window_as_a_local_mask():

@@ -56,6 +56,10 @@ def blockwise_causal_attention(q, k, v, *, segment_ids=None, chunks: int | None 
     """q_BxLxHxK, k/v_BxLxGxK (same length: self-attention) -> out_BxLxHxK, causal; with
     `window`, query i sees only keys i - window < j <= i."""
     check_window(window, causal=True)
+    if q.shape[1] != k.shape[1]:  # its chunks pair query rows with key rows one to one
+        raise ValueError(f"blockwise attention needs as many queries as keys, not "
+                         f"{q.shape[1]} and {k.shape[1]}; attention() sends such calls to "
+                         "another kernel.")
     return _attention(chunks or chunk_count(q.shape[1], window), window, q, k, v, segment_ids)
 
 

@@ -1,0 +1,39 @@
+"""How the suite picks JAX's platform: the simulated CPU devices unless the session asks for
+the GPU tests, so that `pytest -m gpu` on a GPU machine tests the GPU."""
+
+import os
+import subprocess
+import sys
+
+import jax
+
+from conftest import selects_gpu_tests
+
+
+def test_gpu_sessions_leave_the_platform_to_jax():
+    assert selects_gpu_tests("gpu") and selects_gpu_tests("gpu and not slow")
+    assert not selects_gpu_tests("") and not selects_gpu_tests("not gpu")
+
+
+def test_other_sessions_run_on_the_simulated_cpu_devices():
+    assert jax.default_backend() == "cpu" and jax.device_count() == 8
+    assert os.environ["JAX_PLATFORMS"] == "cpu"  # the CLIs a test starts, too
+
+
+def test_a_gpu_session_does_not_pin_the_cpu():
+    """`pytest -m gpu` collects with JAX_PLATFORMS unset: JAX takes the accelerator if any."""
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    probe = ("import os, jax; print('platforms', os.environ.get('JAX_PLATFORMS'), "
+             "jax.config.jax_platforms)")
+    conftest_dir = os.path.dirname(__file__)
+    code = (f"import sys; sys.path.insert(0, {conftest_dir!r}); import pytest; "
+            "import conftest\n"
+            "class Probe:\n"
+            "    def pytest_collection_finish(self, session):\n"
+            f"        exec({probe!r})\n"
+            "sys.exit(pytest.main(['-m', 'gpu', '--collect-only', '-q', '-p', "
+            f"'no:cacheprovider', {os.path.join(conftest_dir, 'test_gpu.py')!r}], "
+            "plugins=[Probe()]))")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert "platforms None None" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
