@@ -188,7 +188,8 @@ def compare_schedules(config: Config, schedules: list[str], warmup: int,
         schedule, _, mode = entry.partition(":")
         if mode not in ("", "stored", "recompute"):
             raise ConfigError(f"--compare-schedules entry {entry!r}: use a schedule "
-                              "name, optionally with :stored or :recompute.")
+                              "name, optionally with ':stored' or ':recompute' (e.g. "
+                              "zb-h1:stored).")
         recompute = pp.recompute if not mode else mode == "recompute"
         v = (max(pp.virtual_stages, 2) if schedule == "interleaved"
              else 2 if schedule == "zbv" else 1)

@@ -182,7 +182,7 @@ def load_exported_params(path: str | Path, abstract: nnx.State, config: Config) 
         restored = ocp.StandardCheckpointer().restore(path / "params", weights_only(target))
     except Exception as err:
         raise CheckpointError(f"the parameters in {path / 'params'} could not be read "
-                              f"({type(err).__name__}: {str(err)[:300]}); re-export them."
+                              f"({type(err).__name__}: {str(err)[:300]}); export them again."
                               ) from None
     nnx.replace_by_pure_dict(params, with_empty_fp8_histories(restored, target))
     return params

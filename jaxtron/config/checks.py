@@ -43,7 +43,8 @@ def _check_blend(d: DataConfig) -> None:
            "or remove it to train on data.path.")
     labels = [s.label for s in d.blend]
     for i, source in enumerate(d.blend):
-        _check(source.path != "", f"data.blend[{i}].path is missing; give the dataset prefix.")
+        _check(source.path != "", f"data.blend[{i}].path is missing; give each weight its dataset "
+                                    "prefix, as in '0.3 data/a 0.7 data/b'.")
         _check(math.isfinite(source.weight) and source.weight > 0,
                f"data.blend[{i}].weight={source.weight} (source {source.path}) must be positive "
                "and finite; give it a share above 0 or remove the source.")
@@ -135,7 +136,8 @@ def _validate_model(m: ModelConfig, d: DataConfig) -> None:
            f"model.type=gpt2 uses multi-head attention; set model.num_kv_heads=null "
            f"(got {m.num_kv_heads}).")
     _check(m.type != "llama" or m.resolved_head_dim % 2 == 0,
-           f"RoPE needs an even head dimension; model.head_dim resolves to {m.resolved_head_dim}.")
+           f"RoPE needs an even head dimension; model.head_dim resolves to {m.resolved_head_dim}: "
+           "set model.head_dim (or d_model / num_heads) to an even number.")
     _check(not m.qkv_bias or (m.type == "llama" and m.attention != "mla"),
            "model.qkv_bias=true needs model.type=llama with model.attention other than mla "
            "(gpt2 already biases every projection; latent attention has none).")

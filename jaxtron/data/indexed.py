@@ -260,8 +260,9 @@ class IndexedDataset:
                             f"{prefix}.idx describes {expected}; the files are truncated or "
                             f"mismatched: rebuild it with python -m jaxtron.data.prepare --out {prefix}.")
         if expected == 0:
-            raise DataError(f"{data} holds no tokens; prepare the dataset again from non-empty "
-                            "text with python -m jaxtron.data.prepare.")
+            raise DataError(f"{data} holds no tokens: the dataset file is empty; prepare the "
+                            "dataset again from non-empty text with python -m "
+                            "jaxtron.data.prepare.")
         return np.memmap(data, self.dtype, "r")
 
     @property

@@ -162,14 +162,14 @@ def to_hf(config: Config, params: dict) -> tuple[dict, dict[str, np.ndarray]]:
         for key in path:
             if not isinstance(node, dict) or key not in node:
                 raise DataError(f"the parameters lack {'/'.join(path)}, which {arch} needs; "
-                                "pass nnx.to_pure_dict of the model layout "
-                                "(trainer.to_model_params) of this config.")
+                                "pass the model layout of this config's parameters "
+                                "(nnx.to_pure_dict of trainer.to_model_params) instead.")
             node = node[key]
         array = np.asarray(node)
         if array.shape != full_shape:
             raise DataError(f"parameter {'/'.join(path)} has shape {array.shape}; the config "
-                            f"implies {full_shape}; export with the config the parameters were "
-                            "trained with.")
+                            f"implies {full_shape}; export with the same config the parameters "
+                            "were trained with.")
         w = array[index]
         if input_dims == FLAT:
             w = w.reshape(-1)
@@ -301,7 +301,8 @@ def _read_config(hf: dict) -> tuple[str, dict]:
         since = {before: f"{before} (or {after})" for where, before, after in RENAMED
                  if where == arch}
         raise ConfigError(f"config.json lacks {', '.join(since.get(k, k) for k in missing)}, "
-                          f"which {arch} needs.")
+                          f"which {arch} needs; use the config.json saved with the weights, or "
+                          "add the field from the model's published config.")
     get = lambda key: hf.get(key, DEFAULTS[arch].get(key))  # noqa: E731
     unsupported = [(hf.get("hidden_act", "silu") != "silu", f"hidden_act={hf.get('hidden_act')}",
                     "the MLP is SwiGLU (silu)"),
@@ -369,11 +370,14 @@ def _read_config(hf: dict) -> tuple[str, dict]:
                        if key not in hf]
             if missing:
                 raise ConfigError(f"config.json lacks {', '.join(missing)}, which {arch} "
-                                  "needs.")
+                                  "needs; use the config.json saved with the weights, or add "
+                                  "the field from the model's published config.")
             f = hf["moe_intermediate_size"]
             dims.update(E=hf["n_routed_experts"], F=f, shared=get("n_shared_experts") * f)
         elif "intermediate_size" not in hf:
-            raise ConfigError(f"config.json lacks intermediate_size, which {arch} needs.")
+            raise ConfigError(f"config.json lacks intermediate_size, which {arch} needs; use "
+                              "the config.json saved with the weights, or add the field from "
+                              "the model's published config.")
     return arch, dims
 
 
@@ -382,14 +386,15 @@ def _check_names(arch: str, expected: set, state_dict: dict) -> None:
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise DataError(f"missing tensor {missing[0]}{more}, which {arch} with this config.json "
-                        "needs.")
+                        "needs; give the folder every safetensors shard the index lists, or "
+                        "use the config.json saved with these weights.")
     unexpected = sorted(name for name in state_dict.keys() - expected
                         if not name.endswith(IGNORED_TENSORS))
     if unexpected:
         raise DataError(f"unexpected tensors {', '.join(unexpected[:3])}"
                         f"{' ...' if len(unexpected) > 3 else ''}: {arch} as jaxtron builds it "
-                        "has no such parameters; check that config.json matches the weights "
-                        "(model size, tied embeddings).")
+                        "has no such parameters; use the config.json saved with these "
+                        "weights (model size, tied embeddings).")
 
 
 def _overrides(arch: str, dims: dict, hf: dict, dtype: str) -> tuple[dict, dict]:

@@ -88,7 +88,8 @@ def _check(model, prompt: list[int], max_new_tokens: int, temperature: float, to
     bad = [t for t in prompt if not 0 <= t < cfg.vocab_size]
     if bad:
         raise ConfigError(f"--prompt-ids {bad[:5]} lie outside the vocabulary "
-                          f"0..{cfg.vocab_size - 1}; use ids the model's tokenizer produces.")
+                          f"0..{cfg.vocab_size - 1}; use ids below {cfg.vocab_size}, as the model's "
+                          "tokenizer produces.")
     fed = len(prompt) + max_new_tokens - 1  # the last token drawn is never fed back
     if fed > cfg.max_seq_len:
         raise ConfigError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) - 1 = "

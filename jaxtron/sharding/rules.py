@@ -90,8 +90,8 @@ def spec_for(names: Sequence[str | None], rules: Rules, mesh: Mesh,
             continue
         if name not in rules:
             raise ConfigError(f"logical axis {name!r} has no sharding rule; known axes are "
-                              f"{', '.join(LOGICAL_AXES)}; name the parameter's axes with one of "
-                              "them.")
+                              f"{', '.join(LOGICAL_AXES)}; use one of them in the parameter's "
+                              "axis names.")
         axes = tuple(a for a in rules[name] if mesh.shape.get(a, 1) > 1)
         for axis in axes:
             if axis in used:
