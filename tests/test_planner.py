@@ -120,7 +120,9 @@ def test_communication_and_bubble_follow_the_closed_forms():
 
 TRAFFIC_CASES = ([(layout, validate.BASE) for layout in validate.TRAFFIC_MATRIX]
                  + [(layout, validate.BASE + validate.MOE)
-                    for layout in validate.MOE_TRAFFIC_MATRIX])
+                    for layout in validate.MOE_TRAFFIC_MATRIX]
+                 + [(layout, validate.BASE + validate.MOE + validate.DROPLESS_EP)
+                    for layout in validate.DROPLESS_EP_TRAFFIC_MATRIX])
 
 
 def test_communication_is_checked_on_every_kind_of_layout():
@@ -129,6 +131,7 @@ def test_communication_is_checked_on_every_kind_of_layout():
 
 @pytest.mark.parametrize("layout, base", TRAFFIC_CASES,
                          ids=[f"{layout.describe()}{' moe' if base != validate.BASE else ''}"
+                              f"{' dropless' if validate.DROPLESS_EP[0] in base else ''}"
                               for layout, base in TRAFFIC_CASES])
 def test_predicted_communication_matches_the_compiled_step(layout, base):
     """Bytes sent per device per step, predicted vs counted in the compiled step, on 32

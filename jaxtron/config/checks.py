@@ -285,6 +285,13 @@ def _validate_moe(c: Config) -> None:
               if dense else f"model.num_layers={c.model.num_layers}")
            + " (each group of moe.every blocks ends with one MoE block).")
     _check(moe.capacity_factor > 0, f"moe.capacity_factor={moe.capacity_factor} must be > 0.")
+    factor = moe.ep_buffer_factor
+    _check(factor is None or (math.isfinite(factor) and factor > 0),
+           f"moe.ep_buffer_factor={factor} must be > 0 (e.g. 1.5), or null for room for every "
+           "assignment.")
+    _check(factor is None or moe.mode == "dropless",
+           f"moe.ep_buffer_factor={factor} sizes dropless dispatch; set moe.mode=dropless, or "
+           "use moe.capacity_factor with moe.mode=capacity.")
     _check(expert == -1 or moe.num_experts % expert == 0,
            f"moe.num_experts={moe.num_experts} must be divisible by mesh.expert={expert} so "
            "every expert-parallel rank holds whole experts.")

@@ -150,6 +150,10 @@ class MoEConfig:
                    ("capacity", "dropless"))
     capacity_factor: float = _f(1.25, "slots per expert per sequence = ceil(factor * seq_len * "
                                 "top_k / num_experts)")
+    ep_buffer_factor: float | None = _f(None, "dropless with mesh.expert > 1: rows each rank "
+                                        "receives = factor x its tokens x top_k; assignments "
+                                        "past it are dropped and counted (null = room for every "
+                                        "assignment that can come: nothing dropped)")
     score: str = _f("softmax", "router score: softmax over all experts, or sigmoid per expert "
                     "with the chosen k scores normalised to sum 1 (DeepSeek-V3; moe.router is "
                     "then unused and must stay topk_then_softmax)", ("softmax", "sigmoid"))

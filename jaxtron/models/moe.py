@@ -21,9 +21,10 @@ Execution, chosen by `moe.mode`:
   group sizes [B, E] (one row of E sizes per sequence). Routing a token depends only on the
   token, so this equals one global sort; but B is the axis sharded over data/fsdp, so each
   device sorts and multiplies only its own sequences: per-device work falls as 1/(data*fsdp),
-  where a global sort gathered every assignment onto every device. Under expert parallelism the
-  same semantics run as the capacity path with C = L (a sequence can never send more than L
-  tokens to one expert).
+  where a global sort gathered every assignment onto every device. Under expert parallelism
+  each rank sends every expert's owner exactly the assignments routed there by ragged
+  all-to-all (`jaxtron.kernels.dropless_experts`), into a buffer of `moe.ep_buffer_factor` x
+  its T k rows (null: room for all that can come, nothing dropped).
 
 Top-k is taken with a stable sort rather than `lax.top_k`: XLA's SPMD partitioner gathers a
 TopK's whole operand onto every device, a sort it splits along the batch.
@@ -43,6 +44,7 @@ from flax import nnx
 
 from jaxtron.config.schema import ModelConfig, MoEConfig
 from jaxtron.kernels.activations import swiglu
+from jaxtron.kernels.dropless_experts import dropless_expert_ffn
 from jaxtron.kernels.experts import expert_ffn, expert_parallel_active
 from jaxtron.kernels.fp8 import grouped_matmul
 from jaxtron.models.layers import MLP, normal, param
@@ -201,13 +203,16 @@ class MoE(nnx.Module):
         if moe.mode == "dropless" and not expert_parallel_active():
             y_BxLxD = self._dropless(x_BxLxD, weights_BxLxK, experts_BxLxK, weights)
             kept = jnp.ones(experts_BxLxK.shape, bool)
+        elif moe.mode == "dropless":  # each expert's owner gets exactly its assignments
+            y_BxLxKxD, kept = dropless_expert_ffn(x_BxLxD, experts_BxLxK, *weights,
+                                                  buffer_factor=moe.ep_buffer_factor,
+                                                  fp8=self.cfg.fp8)
+            y_BxLxD = constrain(jnp.einsum("blkd,blk->bld", y_BxLxKxD, weights_BxLxK.astype(dt)),
+                                ("batch", "residual_seq", "embed"))
         else:
-            dropless = moe.mode == "dropless"  # one slot per position: order cannot matter
-            slots = (length if dropless else
-                     capacity(length, moe.top_k, moe.num_experts, moe.capacity_factor))
+            slots = capacity(length, moe.top_k, moe.num_experts, moe.capacity_factor)
             y_BxLxD, kept = self._with_capacity(x_BxLxD, weights_BxLxK, experts_BxLxK,
-                                                None if dropless else order_L, weights,
-                                                slots)
+                                                order_L, weights, slots)
         if moe.shared_experts:
             y_BxLxD = y_BxLxD + self.shared(x_BxLxD)
         aux = {"balance": balance, "z": z_loss(logits_BxLxE),

@@ -45,6 +45,7 @@ from flax import nnx
 
 from jaxtron.config.schema import Config
 from jaxtron.errors import ConfigError
+from jaxtron.kernels.dropless_experts import receive_rows
 from jaxtron.models.moe import capacity
 from jaxtron.models.transformer import Transformer
 from jaxtron.pipeline.schedules import build_table
@@ -198,25 +199,32 @@ def layer_activation_bytes(config: Config, layout: Layout, tokens: int, policy: 
 
 
 def _slotted(config: Config, layout: Layout) -> bool:
-    """Whether experts run on fixed slots: capacity mode, and dropless under expert parallelism
-    (which runs the capacity path with L slots per expert)."""
-    return config.moe.mode == "capacity" or layout.expert > 1
+    """Whether experts run on fixed slots (capacity mode)."""
+    return config.moe.mode == "capacity"
 
 
 def _capacity(config: Config, layout: Layout) -> int:
-    moe, length = config.moe, config.data.seq_len
-    if moe.mode == "dropless":
-        return length
-    return capacity(length, moe.top_k, moe.num_experts, moe.capacity_factor)
+    moe = config.moe
+    return capacity(config.data.seq_len, moe.top_k, moe.num_experts, moe.capacity_factor)
+
+
+def dropless_buffer_rows(config: Config, layout: Layout) -> int:
+    """Rows of a rank's receive buffer in the dropless exchange (`dropless_experts`)."""
+    moe = config.moe
+    return receive_rows(microbatch_tokens(config, layout), moe.top_k, layout.expert,
+                        moe.num_experts // layout.expert, moe.ep_buffer_factor)
 
 
 def _expert_slots(config: Config, layout: Layout) -> float:
-    """Expert rows computed per token: top_k (dropless), or every expert's slots, E x C / L
-    (slotted experts compute their slots whether filled or not)."""
+    """Expert rows computed per token: top_k (dropless on one rank), the receive buffer's rows
+    (dropless under expert parallelism), or every expert's slots, E x C / L (slotted experts
+    compute their slots whether filled or not)."""
     moe = config.moe
-    if not _slotted(config, layout):
-        return moe.top_k
-    return moe.num_experts * _capacity(config, layout) / config.data.seq_len
+    if _slotted(config, layout):
+        return moe.num_experts * _capacity(config, layout) / config.data.seq_len
+    if layout.expert > 1:
+        return dropless_buffer_rows(config, layout) / microbatch_tokens(config, layout)
+    return moe.top_k
 
 
 def _mlp_width(config: Config, layout: Layout) -> float:
@@ -289,7 +297,8 @@ def predict(config: Config, layout: Layout) -> Memory:
         # The layer's expert weight gradients before they join the stacked sum, twice; the
         # dropless grouped matmul's backward adds one per sequence (a batch of ragged dots).
         grouped = not _slotted(config, layout)
-        per_sequence = microbatch_sequences(config, layout) if grouped else 0
+        per_sequence = (0 if not grouped else 1 if layout.expert > 1  # one dot over the buffer
+                        else microbatch_sequences(config, layout))
         working += 2 * (1 + per_sequence) * expert_block_bytes(config, layout)
     kept = layer_activation_bytes(config, layout, tokens, layout.remat)
     if layout.stage > 1:

@@ -55,6 +55,7 @@ import numpy as np
 from jaxtron.config.schema import Config
 from jaxtron.planner.layout import Layout
 from jaxtron.planner.memory import (
+    dropless_buffer_rows,
     end_bytes,
     expert_gradient_bytes,
     microbatch_sequences,
@@ -81,7 +82,7 @@ def communication(config: Config, layout: Layout, platform: str = "gpu") -> dict
         _data_and_fsdp(out, dataclasses.replace(layout, expert=1), experts, passes,
                        reduce_scatter=platform != "cpu", gathers=1)
     out["tensor"] = _tensor(config, layout, separate_sums=platform == "cpu") * passes
-    out["expert"] += _expert(config, layout) * passes
+    out["expert"] += _expert(config, layout, platform) * passes
     out["sequence"] += _sequence(config, layout) * passes
     per_pass, per_step = _stage(config, layout)  # a pass here: the schedule's whole table
     out["stage"] = per_pass * layout.grad_accum + per_step
@@ -193,7 +194,10 @@ def _tensor(config: Config, layout: Layout, separate_sums: bool) -> float:
     return sent
 
 
-def _expert(config: Config, layout: Layout) -> float:
+def _expert(config: Config, layout: Layout, platform: str = "gpu") -> float:
+    """Per pass: each MoE layer's two exchanges, forward and backward. Capacity routing sends
+    every expert's slots; dropless sends the rows routed (T k each way, `dropless_experts`),
+    which on CPU go padded to the operand's length to every rank (`ragged_exchange`)."""
     x, moe = layout.expert, config.moe
     if x == 1 or not moe.enabled:
         return 0.0
@@ -201,8 +205,13 @@ def _expert(config: Config, layout: Layout) -> float:
     e = np.dtype(m.compute_dtype).itemsize
     sequences = microbatch_sequences(config, layout)
     length = config.data.seq_len // layout.sequence
-    slots = (length if moe.mode == "dropless" else
-             math.ceil(moe.capacity_factor * length * moe.top_k / moe.num_experts))
-    buffer = e * sequences * moe.num_experts * slots * m.d_model
     moe_layers = math.ceil(moe.stacked_layers(m.num_layers) / layout.stage) // moe.every
+    if moe.mode == "dropless":
+        sent = sequences * length * moe.top_k  # A rows out, and the same back
+        if platform == "cpu":  # [x, A] out and [x, R] back, padded slices to every rank
+            received = dropless_buffer_rows(config, layout)
+            return 2 * (x - 1) * (sent + received) * e * m.d_model * moe_layers
+        return 4 * ring(x) * sent * e * m.d_model * moe_layers
+    slots = math.ceil(moe.capacity_factor * length * moe.top_k / moe.num_experts)
+    buffer = e * sequences * moe.num_experts * slots * m.d_model
     return 4 * ring(x) * buffer * moe_layers

@@ -28,6 +28,8 @@ from jaxtron.training.trainer import Trainer
 BASE = ["model.num_layers=4", "model.d_model=128", "model.num_heads=4", "model.num_kv_heads=2",
         "model.mlp_dim=512", "model.vocab_size=256", "data.seq_len=128", "train.batch_size=16"]
 MOE = ["moe.num_experts=4", "moe.top_k=2"]
+# Dropless under expert parallelism: the ragged exchange into buffers of twice the mean rows.
+DROPLESS_EP = ["moe.mode=dropless", "moe.ep_buffer_factor=2"]
 MATRIX = (Layout(data=8), Layout(fsdp=8), Layout(data=2, tensor=4),
           Layout(data=2, tensor=4, sequence_parallel=True), Layout(data=4, tensor=2, zero_stage=1),
           Layout(data=8, remat="full"), Layout(data=8, remat="save_dots"),
@@ -59,11 +61,13 @@ TRAFFIC_MATRIX = (Layout(data=8), Layout(fsdp=8), Layout(data=2, tensor=4),
 # with expert parallelism, inside a pipeline, and the dropless grouped matmul.
 MOE_MATRIX = ((Layout(data=2, expert=4), ()),
               (Layout(data=2, expert=2, stage=2, microbatches=4), ()),
-              (Layout(data=8), ("moe.mode=dropless",)))
+              (Layout(data=8), ("moe.mode=dropless",)),
+              (Layout(data=2, expert=4), tuple(DROPLESS_EP)))
 # The same with a mixture of experts (4 experts, top-2, capacity routing) in every layer.
 MOE_TRAFFIC_MATRIX = (Layout(data=2, expert=4), Layout(data=2, expert=4, grad_accum=2),
                       Layout(data=4, expert=2, zero_stage=1), Layout(fsdp=2, expert=4),
                       Layout(data=4, expert=2, zero_stage=2, grad_accum=2))
+DROPLESS_EP_TRAFFIC_MATRIX = (Layout(data=2, expert=4), Layout(fsdp=2, expert=4))
 BUCKETS = {"data+fsdp": ("data", "fsdp"), "tensor": ("tensor",), "sequence": ("sequence",),
            "expert": ("expert",), "stage": ("stage",)}
 
@@ -141,7 +145,8 @@ def main() -> int:
     print(f"mean |error| {sum(errors) / len(errors):.1%}, max {max(errors):.1%}")
     worst = 0.0
     print("communication: MiB sent per device per step, predicted / counted (error)")
-    for row in run(TRAFFIC_MATRIX) + run(MOE_TRAFFIC_MATRIX, BASE + MOE):
+    for row in (run(TRAFFIC_MATRIX) + run(MOE_TRAFFIC_MATRIX, BASE + MOE)
+                + run(DROPLESS_EP_TRAFFIC_MATRIX, BASE + MOE + DROPLESS_EP)):
         cells = [f"{b} {row.predicted_sent[b] / mib:.2f} / {row.measured_sent[b] / mib:.2f} "
                  f"({e:+.1%})" for b, e in row.traffic_errors().items()]
         worst = max([worst, *map(abs, row.traffic_errors().values())])
