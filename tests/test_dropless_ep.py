@@ -146,3 +146,15 @@ def test_the_step_lowers_with_ragged_all_to_all_and_buffers_of_the_sent_rows(pla
     # [B, E, L, D] rows.
     moved = re.findall(r'"stablehlo.all_to_all".*?: \((tensor<[^>]*>)\)', text)
     assert moved and set(moved) == {"tensor<4xi32>"}, set(moved)
+
+
+def test_the_dry_run_reports_the_exchange_for_a_gpu(capsys):
+    from jaxtron import train
+
+    assert train.main(["--config", "configs/tiny.yaml", "--dry-run", "--target", "cuda",
+                       "mesh.data=2", "mesh.expert=4", "moe.num_experts=8", "moe.top_k=2",
+                       "moe.mode=dropless", "moe.ep_buffer_factor=1.5"]) == 0
+    out = capsys.readouterr().out
+    assert "dropless expert exchange: " in out and "ragged_all_to_all calls" in out
+    sent = out.split("sent per device per step (planner's estimate): ")[1].splitlines()[0]
+    assert "expert" in sent and "data" in sent

@@ -235,20 +235,17 @@ def test_a_failed_background_save_ends_the_run_with_one_line(tmp_path):
     """A write past the file-size limit fails in Orbax's writer threads: the command still ends,
     in bounded time, with status 2 and one line on the console; the libraries' tracebacks go to
     the run's library.log."""
-    import resource
     import subprocess
     import sys
 
-    def two_mib_files():
-        resource.setrlimit(resource.RLIMIT_FSIZE, (2 << 20, 2 << 20))
-
     run = tmp_path / "run"
-    done = subprocess.run(
-        [sys.executable, "-m", "jaxtron.train", "--config", "configs/tiny.yaml",
+    done = subprocess.run(  # files of at most 2 MiB (2,048 blocks of 1 KiB), as `ulimit -f 2048`
+        ["bash", "-c", 'ulimit -f 2048 && exec "$@"', "bash",
+         sys.executable, "-m", "jaxtron.train", "--config", "configs/tiny.yaml",
          "train.steps=30", "checkpoint.every=2", "optim.warmup_steps=2",
          "data.builtin_max_bytes=400000",
          f"train.run_dir={run}"],
-        capture_output=True, text=True, timeout=300, preexec_fn=two_mib_files)
+        capture_output=True, text=True, timeout=300)
     err = done.stderr.strip().splitlines()
     assert done.returncode == 2, done.stderr[-2000:]
     assert len(err) == 1 and err[0].startswith("error: writing checkpoint step 2"), err[:5]

@@ -27,6 +27,7 @@ from jaxtron.errors import ConfigError
 from jaxtron.kernels.choice import report_line
 from jaxtron.planner.layout import layout_of
 from jaxtron.planner.memory import predict
+from jaxtron.planner.traffic import communication
 from jaxtron.sharding.collectives import count_collectives
 from jaxtron.sharding.mesh import describe_mesh
 from jaxtron.sharding.report import format_memory, memory_report, parameter_table
@@ -35,6 +36,15 @@ from jaxtron.training.trainer import Trainer
 # How each platform's kernels appear in a lowered module.
 KERNEL_MARKERS = {"cuda": "__gpu$xla.gpu.triton", "rocm": "__gpu$xla.gpu.triton",
                   "tpu": "tpu_custom_call"}
+
+
+def _planned_traffic(trainer) -> tuple[str, dict]:
+    """The planner's bytes sent per device per step on each mesh axis, for a step that is
+    lowered, not compiled (its executed collectives are the compiler's to decide)."""
+    layout = layout_of(trainer.config, dict(trainer.mesh.shape))
+    sent = {axis: b for axis, b in communication(trainer.config, layout, "gpu").items() if b}
+    cells = ", ".join(f"{axis} {b / 2**30:,.2f} GiB" for axis, b in sent.items()) or "none"
+    return f"sent per device per step (planner's estimate): {cells}", sent
 
 
 def _planned_memory(trainer) -> str:
@@ -94,4 +104,10 @@ def dry_run(config: Config, target: str | None = None) -> dict:
     print(f"lowered the train step for {platform} in {time.perf_counter() - start:.1f} s: "
           f"{found}not compiled, which needs a {platform} device")
     print(_planned_memory(trainer))
-    return {"platform": platform, "kernel_calls": kernels}
+    line, sent = _planned_traffic(trainer)
+    print(line)
+    ragged = text.count("ragged_all_to_all")
+    if ragged:
+        print(f"dropless expert exchange: {ragged} ragged_all_to_all calls")
+    return {"platform": platform, "kernel_calls": kernels, "sent_bytes": sent,
+            "ragged_all_to_all": ragged}
