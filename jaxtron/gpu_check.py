@@ -3,7 +3,7 @@
     scripts/gpu_check.sh                     # fresh machine: installs jaxtron[cuda12,test] first
     python -m jaxtron.gpu_check --out gpu_check.json
 
-Three parts, each its own process with its own time limit (about 4 minutes in all on one H200):
+Four parts, each its own process with its own time limit (about 4 minutes in all on one H200):
 
 1. tests: `pytest -m gpu` (tests/test_gpu.py): the Triton flash kernels and cuDNN against the
    reference at bf16 tolerance, forward and backward, also with a sliding window; bf16 training
@@ -11,7 +11,9 @@ Three parts, each its own process with its own time limit (about 4 minutes in al
 2. kernels: `python -m jaxtron.kernels.speed` at 1k-32k tokens, bf16, causal: TFLOP/s of
    jaxtron's Triton kernel, cuDNN and JAX's own Pallas/Triton attention, with the ratios;
 3. training: `python -m jaxtron.bench` on configs/llama-1b.yaml (1.1B parameters, bf16 by
-   `model.dtype: auto`): tokens/s, MFU, HFU, compile time and per-device memory.
+   `model.dtype: auto`): tokens/s, MFU, HFU, compile time and per-device memory;
+4. grouped: `python -m jaxtron.kernels.grouped_speed`: the MoE experts' grouped matmul
+   (`ragged_dot`, DeepSeek-V3's expert shapes) against a dense batched matmul of the same FLOPs.
 
 The JSON holds each part's results (or its error and the tail of its output), the device and
 the versions. The exit status is that of the tests; a part that fails or times out is recorded
@@ -31,8 +33,8 @@ import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
 SEQ_LENS = "1024,2048,4096,8192,16384,32768"
-PARTS = ("tests", "kernels", "training")
-LIMITS_S = {"tests": 360, "kernels": 150, "training": 150}
+PARTS = ("tests", "kernels", "training", "grouped")
+LIMITS_S = {"tests": 360, "kernels": 150, "training": 150, "grouped": 90}
 
 
 def _run(command: list[str], limit_s: int, env: dict) -> tuple[dict, str]:
@@ -105,6 +107,13 @@ def run_training(env: dict) -> dict:
     return record
 
 
+def run_grouped(env: dict) -> dict:
+    record, out = _run([sys.executable, "-m", "jaxtron.kernels.grouped_speed", "--json"],
+                       LIMITS_S["grouped"], env)
+    record["results"] = _last_json(out)
+    return record
+
+
 def environment() -> dict:
     from importlib import metadata
 
@@ -147,7 +156,7 @@ def main(argv=None) -> int:
         print("gpu_check: JAX sees no GPU here; the parts will skip or measure the CPU",
               file=sys.stderr)
     runners = {"tests": lambda: run_tests(env, out.parent), "kernels": lambda: run_kernels(env),
-               "training": lambda: run_training(env)}
+               "training": lambda: run_training(env), "grouped": lambda: run_grouped(env)}
     for part in parts:
         print(f"gpu_check: {part} (limit {LIMITS_S[part]} s) ...", flush=True)
         report[part] = runners[part]()

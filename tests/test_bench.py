@@ -162,3 +162,32 @@ def test_schedules_are_timed_side_by_side_with_their_tables_bubbles():
     with pytest.raises(ConfigError, match="mesh.stage > 1"):
         bench.compare_schedules(load_config("configs/tiny.yaml", ["mesh.data=8"]), ["1f1b"],
                                 0, 1, 1)
+
+
+def test_grouped_matmul_speed_compares_the_same_work(capsys):
+    """The grouped matmul and its dense yardstick compute the same product when the groups are
+    equal; the report's rates follow from the FLOPs and the times it prints."""
+    import json
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxtron.kernels import grouped_speed
+    from jaxtron.kernels.fp8 import grouped_matmul
+
+    sizes = grouped_speed.group_sizes(1000, 4)
+    assert sizes.sum() == 1000 and list(sizes) == sorted(sizes, reverse=True)
+    assert sizes[0] > sizes[-1]
+    x = jax.random.normal(jax.random.key(0), (1, 64, 8))
+    w = jax.random.normal(jax.random.key(1), (4, 8, 5))
+    np.testing.assert_allclose(
+        grouped_matmul(x, w, jnp.full((1, 4), 16)).reshape(4, 16, 5),
+        jnp.einsum("egd,edf->egf", x.reshape(4, 16, 8), w), rtol=1e-5, atol=1e-5)
+    assert grouped_speed.main(["--rows", "256", "--d-model", "32", "--ffn", "16", "--experts",
+                               "4", "--dtype", "fp32", "--iters", "2", "--repeats", "1",
+                               "--json"]) == 0
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert r["flops"] == 2 * 256 * 32 * 16
+    assert r["grouped_tflops"] == pytest.approx(r["flops"] / r["grouped_ms"] / 1e9)
+    assert r["grouped_over_dense_time"] == pytest.approx(r["grouped_ms"] / r["dense_ms"])

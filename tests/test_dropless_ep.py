@@ -138,6 +138,7 @@ def test_the_step_lowers_with_ragged_all_to_all_and_buffers_of_the_sent_rows(pla
                          moe={"num_experts": 8, "mode": "dropless"})
     text = Trainer(config, platform=platform).lower_step().as_text()
     assert text.count("ragged_all_to_all") >= 4  # 2 exchanges forward, 2 back, per layer
+    assert text.count("chlo.ragged_dot") >= 9  # 3 grouped matmuls forward, 6 backward
     tokens = config.train.batch_size // 8 * config.data.seq_len
     want = receive_rows(tokens, config.moe.top_k, 4, 2, 1.5)
     assert want == int(1.5 * tokens * config.moe.top_k) < 8 * config.data.seq_len
