@@ -145,11 +145,23 @@ def main(argv=None) -> int:
                           f"{args.devices} devices; raise --device-memory or --devices, lower "
                           "train.batch_size, or set model.cross_entropy=chunked.")
     if args.apply:
-        planned = apply(config, best[0].layout)
+        planned = with_own_run_dir(apply(config, best[0].layout), Path(args.apply))
         Path(args.apply).parent.mkdir(parents=True, exist_ok=True)
         Path(args.apply).write_text(dump_config(planned))
-        print(f"wrote {args.apply}: python -m jaxtron.train --config {args.apply}")
+        print(f"wrote {args.apply} (train.run_dir={planned.train.run_dir}): python -m "
+              f"jaxtron.train --config {args.apply}")
     return 0
+
+
+def with_own_run_dir(config, written: Path):
+    """The planned config trains in a folder named after the file it is written to, so that it
+    never resumes the run it was planned from (which would start at that run's last step)."""
+    run_dir = written.with_suffix("")
+    if (run_dir / "config.yaml").exists() or (run_dir / "checkpoints").exists():
+        raise ConfigError(f"--apply {written} would train in {run_dir}, which holds a run; "
+                          "give --apply another file name, or move that run away.")
+    return dataclasses.replace(config, train=dataclasses.replace(config.train,
+                                                                  run_dir=str(run_dir)))
 
 
 if __name__ == "__main__":

@@ -163,4 +163,12 @@ def test_plan_cli_ranks_and_applies_the_best_layout(tmp_path):
     assert "given layout (mesh.tensor=2), best variant ranks" in result.stdout
     planned = load_config(out)
     assert planned.model.d_model == 128 and planned.train.batch_size == 16
+    # its own run folder, never the run it was planned from (which it would only resume)
+    assert planned.train.run_dir == str(tmp_path / "planned")
+    (tmp_path / "planned" / "checkpoints").mkdir(parents=True)
+    again = subprocess.run(
+        [sys.executable, "-m", "jaxtron.plan", "--config", "configs/tiny.yaml", *validate.BASE,
+         "--devices", "8", "--device-memory", "30MiB", "--hardware", "cpu", "--top", "1",
+         "--apply", str(out)], capture_output=True, text=True, timeout=300)
+    assert again.returncode == 2 and "holds a run; give --apply another file name" in again.stderr
     assert memory_budget_bytes("80GiB") == 80 * 2**30 and memory_budget_bytes("141GB") == 141e9

@@ -14,6 +14,7 @@ The prediction is the CPU one: XLA:CPU has no reduce-scatter rewrite.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import sys
 
@@ -130,7 +131,10 @@ def run(layouts=MATRIX, base=BASE, compiler_options=None) -> list[Row]:
     return rows
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    argparse.ArgumentParser(
+        prog="python -m jaxtron.planner.validate", description=__doc__.split("\n\n")[0],
+        epilog="Compiles about 40 layouts: about 3 minutes on 2 CPU cores.").parse_args(argv)
     mib = 2**20
     errors = []
     print("memory: per-device arguments + peak temporaries")
