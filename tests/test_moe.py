@@ -251,9 +251,12 @@ def test_expert_parallel_matches_single_device(moe):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("layout", [{"mesh.data": 8},
-                                    {"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2}])
-def test_dropless_data_parallel_matches_single_device(layout):
+@pytest.mark.parametrize("layout", [
+    {"mesh.data": 8}, {"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2},
+    # under expert parallelism: the ragged exchange (tests/test_dropless_ep.py)
+    {"mesh.data": 1, "mesh.fsdp": 2, "mesh.expert": 4},
+    {"mesh.data": 2, "mesh.expert": 2, "mesh.tensor": 2}])
+def test_dropless_layouts_match_single_device(layout):
     moe = {"num_experts": 4, "mode": "dropless"}
     ref = grads_of({"mesh.data": 1}, moe, jax.devices()[:1])
     got = grads_of(layout, moe, jax.devices())

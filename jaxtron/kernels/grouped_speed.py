@@ -17,13 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxtron.kernels.fp8 import grouped_matmul
+from jaxtron.kernels.speed import seconds_per_call
 
 DTYPES = {"bf16": jnp.bfloat16, "fp32": jnp.float32}
 
@@ -34,18 +34,6 @@ def group_sizes(rows: int, experts: int, skew: float = 2.0) -> np.ndarray:
     sizes = np.floor(rows * weights / weights.sum()).astype(np.int32)
     sizes[0] += rows - sizes.sum()
     return sizes
-
-
-def _best_seconds(fn, args, iters: int, repeats: int) -> float:
-    jax.block_until_ready(fn(*args))
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(iters):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        best = min(best, (time.perf_counter() - start) / iters)
-    return best
 
 
 def measure(rows: int, d_model: int, ffn: int, experts: int, dtype: str = "bf16",
@@ -60,8 +48,8 @@ def measure(rows: int, d_model: int, ffn: int, experts: int, dtype: str = "bf16"
     even = x.reshape(experts, rows // experts, d_model)
     dense = jax.jit(lambda x, w: jnp.einsum("egd,edf->egf", x, w))
     flops = 2.0 * rows * d_model * ffn
-    grouped_s = _best_seconds(grouped, (x, w, sizes), iters, repeats)
-    dense_s = _best_seconds(dense, (even, w), iters, repeats)
+    grouped_s = seconds_per_call(grouped, (x, w, sizes), warmup=1, iters=iters, repeats=repeats)
+    dense_s = seconds_per_call(dense, (even, w), warmup=1, iters=iters, repeats=repeats)
     return {"rows": rows, "d_model": d_model, "ffn": ffn, "experts": experts, "dtype": dtype,
             "device": jax.devices()[0].device_kind, "flops": flops,
             "grouped_tflops": flops / grouped_s / 1e12, "dense_tflops": flops / dense_s / 1e12,
