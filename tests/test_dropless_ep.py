@@ -3,8 +3,8 @@
 The exchange's CPU form is checked against a numpy model of `jax.lax.ragged_all_to_all` written
 from its docstring; the dispatch, with and without a receive bound, against numpy experts and a
 numpy count of what the bound drops (whole layouts against one device: tests/test_moe.py); the
-real collective by
-lowering for cuda and tpu, with buffers of the rows that are sent (T k), not E x L slots.
+real collective by lowering for cuda and tpu, with buffers of the rows that are sent (T k), not
+E x L slots.
 """
 
 import re
