@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -108,11 +107,8 @@ def test_a_dead_process_makes_the_survivor_exit_with_a_message(tmp_path):
         if " 3/1000000 |" in line:
             break
     procs[1].kill()
-    killed_at = time.monotonic()
-    out, _ = procs[0].communicate(timeout=120)
-    waited = time.monotonic() - killed_at
+    out, _ = procs[0].communicate(timeout=120)  # ends on its own: a hang fails here
     assert procs[0].returncode not in (0, None), out[-2000:]
-    assert waited < 2 * timeout + 10, waited
     assert "died" in out, out[-2000:]
 
 

@@ -207,9 +207,10 @@ def test_a_second_launch_leaves_a_busy_folder_alone(tmp_path):
     from jaxtron.supervisor.machine import Supervision
     from jaxtron.supervisor.supervise import LaunchBusy, supervise
 
-    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)",
-                                "jaxtron"])
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; print('up', flush=True); "
+                                "time.sleep(60)", "jaxtron"], stdout=subprocess.PIPE, text=True)
     try:
+        assert sleeper.stdout.readline() == "up\n"  # running its own command line by now
         (tmp_path / "processes.json").write_text(json.dumps([sleeper.pid]))
         with pytest.raises(LaunchBusy, match="is in use by another launch"):
             supervise(object(), tmp_path, Supervision(0, 60))
