@@ -27,11 +27,10 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from jaxtron.kernels.activations import swiglu
+from jaxtron.kernels.experts import AXIS, expert_manual_axes
 from jaxtron.kernels.fp8 import grouped_matmul
 from jaxtron.kernels.ragged_exchange import exclusive_cumsum, ragged_all_to_all
-from jaxtron.sharding.rules import active_mesh, active_spec, manual_axes, shard_map_mesh
-
-AXIS = "expert"
+from jaxtron.sharding.rules import active_mesh, active_spec, shard_map_mesh
 
 
 def receive_rows(tokens: int, top_k: int, ranks: int, local_experts: int,
@@ -50,15 +49,13 @@ def dropless_expert_ffn(x_BxLxD, experts_BxLxK, w_gate, w_up, w_down, *,
     whether it was computed. Every batch axis and `expert` are manual, as in `expert_ffn`."""
     mesh = active_mesh()
     rows = active_spec(("batch", None, None), x_BxLxD.shape)
-    entry = rows[0]
-    batch_axes = set(() if entry is None else (entry,) if isinstance(entry, str) else entry)
     experts = PartitionSpec(AXIS)
     exchange = functools.partial(_exchange, ranks=mesh.shape[AXIS],
                                  buffer_factor=buffer_factor, fp8=fp8)
     mapped = jax.shard_map(exchange, mesh=shard_map_mesh(mesh),
                            in_specs=(rows, rows, experts, experts, experts),
-                           out_specs=(PartitionSpec(entry, None, None, None), rows),
-                           axis_names=(batch_axes | {AXIS}) - manual_axes())
+                           out_specs=(PartitionSpec(rows[0], None, None, None), rows),
+                           axis_names=expert_manual_axes(rows))
     return mapped(x_BxLxD, experts_BxLxK, w_gate, w_up, w_down)
 
 

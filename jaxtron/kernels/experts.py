@@ -25,6 +25,14 @@ def expert_parallel_active() -> bool:
     return mesh is not None and mesh.shape.get(AXIS, 1) > 1
 
 
+def expert_manual_axes(rows: PartitionSpec) -> set[str]:
+    """The axes an expert shard_map makes manual: those of the batch (`rows`' first entry)
+    and `expert`, less any an enclosing shard_map already made manual."""
+    entry = rows[0]
+    batch_axes = set(() if entry is None else (entry,) if isinstance(entry, str) else entry)
+    return (batch_axes | {AXIS}) - manual_axes()
+
+
 def _swiglu_experts(x_BxExCxD, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, fp8="none"):
     gate = einsum("becd,edf->becf", x_BxExCxD, w_gate_ExDxF, fp8)
     up = einsum("becd,edf->becf", x_BxExCxD, w_up_ExDxF, fp8)
@@ -50,10 +58,8 @@ def expert_ffn(x_BxExCxD, w_gate, w_up, w_down, fp8: str = "none"):
 
     mesh = active_mesh()
     rows = active_spec(("batch", None, None, None), x_BxExCxD.shape)
-    entry = rows[0]
-    batch_axes = set(() if entry is None else (entry,) if isinstance(entry, str) else entry)
     experts = PartitionSpec(AXIS)
     mapped = jax.shard_map(exchange, mesh=shard_map_mesh(mesh),
                            in_specs=(rows, experts, experts, experts), out_specs=rows,
-                           axis_names=(batch_axes | {AXIS}) - manual_axes())
+                           axis_names=expert_manual_axes(rows))
     return mapped(x_BxExCxD, w_gate, w_up, w_down)
