@@ -328,7 +328,8 @@ def assert_same_loss_and_grads(config, single, devices=None):
         trainer = Trainer(c, devices=on)
         state = trainer.init_state()
         loss, grads = trainer.loss_and_grads(state.params, trainer.put_batch(batch))
-        results.append((float(loss), jax.device_get(jax.tree.leaves(grads))))
+        results.append((float(loss),
+                        jax.device_get(jax.tree.leaves(trainer.to_model_params(grads)))))
     (loss, grads), (want_loss, want_grads) = results
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
     for g, w in zip(grads, want_grads, strict=True):

@@ -235,6 +235,8 @@ def _validate_mesh(c: Config) -> None:
         _check(total == -1 or total % dcn == 0,
                f"mesh.dcn_{name}={dcn} must divide mesh.{name}={total}: it is the cross-host "
                f"factor of that degree.")
+    if mesh.sequence > 0 and mesh.tensor > 0 and c.model.num_heads % mesh.tensor == 0:
+        _check_context_parallel(c, mesh.sequence, mesh.tensor)  # again on the built mesh
 
 
 def _validate_distributed(c: Config) -> None:
@@ -375,12 +377,8 @@ def check_layout(c: Config, degrees: dict[str, int]) -> None:
             f"pipeline.microbatches) = {micro} sequences must split evenly over mesh.data x "
             f"mesh.fsdp x mesh.expert = {split} devices; make train.batch_size a multiple of "
             f"{split * parts}.")
-    ring = 2 * degrees["sequence"]
-    if c.data.seq_len % ring:
-        raise ConfigError(
-            f"data.seq_len={c.data.seq_len} must be a multiple of 2 x mesh.sequence = {ring}: "
-            "context parallelism cuts the sequence into two chunks per device.")
     tensor = degrees["tensor"]
+    _check_context_parallel(c, degrees["sequence"], tensor)
     if c.mesh.sequence_parallel and c.data.seq_len % (tensor * degrees["sequence"]):
         raise ConfigError(
             f"data.seq_len={c.data.seq_len} must be divisible by mesh.tensor x mesh.sequence "
@@ -393,3 +391,33 @@ def check_layout(c: Config, degrees: dict[str, int]) -> None:
     if c.model.d_model % degrees["fsdp"]:
         raise ConfigError(f"mesh.fsdp={degrees['fsdp']} must divide "
                           f"model.d_model={c.model.d_model}.")
+
+
+def _check_context_parallel(c: Config, n: int, tensor: int) -> None:
+    """A ring cuts the sequence into 2n chunks (zig-zag); all-to-all cuts it into n and hands
+    each device H / (tensor x n) whole query heads and the kv heads they read."""
+    if c.mesh.context_parallel == "ring":
+        _check(c.data.seq_len % (2 * n) == 0,
+               f"data.seq_len={c.data.seq_len} must be a multiple of 2 x mesh.sequence = "
+               f"{2 * n}: ring context parallelism cuts the sequence into two chunks per device.")
+        return
+    if n == 1:
+        return
+    _check(c.data.seq_len % n == 0,
+           f"data.seq_len={c.data.seq_len} must be a multiple of mesh.sequence={n} for "
+           "mesh.context_parallel=all_to_all.")
+    heads = c.model.num_heads // tensor
+    _check(heads % n == 0,
+           f"mesh.context_parallel=all_to_all hands each of the mesh.sequence={n} devices whole "
+           f"query heads, but model.num_heads / mesh.tensor = {heads} does not split {n} ways; "
+           "choose mesh.sequence dividing it, or mesh.context_parallel=ring.")
+    kv = c.model.kv_heads // tensor
+    if c.model.attention == "mla":
+        kv = heads  # multi-head latent attention decompresses k and v per query head
+    elif c.model.kv_heads % tensor:  # kv heads replicated over tensor: a rank keeps those
+        group = c.model.num_heads // c.model.kv_heads  # its query heads read (per_device.py)
+        kv = 1 if group % heads == 0 else heads
+    _check(kv % n == 0 or n % kv == 0,
+           f"mesh.context_parallel=all_to_all needs the {kv} kv head(s) of a tensor rank to "
+           f"split over mesh.sequence={n} or to be repeated up to it (one divides the other); "
+           "choose mesh.sequence accordingly, or mesh.context_parallel=ring.")

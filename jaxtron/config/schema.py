@@ -27,6 +27,7 @@ ATTENTION_IMPLS = ("auto", "xla", "cudnn", "pallas")
 MODEL_TYPES = ("llama", "gpt2")
 ATTENTIONS = ("mha", "mla")
 PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1", "zbv")
+CONTEXT_PARALLEL = ("ring", "all_to_all")
 
 
 @dataclass(frozen=True)
@@ -187,7 +188,12 @@ class MeshConfig:
     data: int = _f(-1, "data-parallel degree (-1 = all devices left over)")
     fsdp: int = _f(1, "fully-sharded data-parallel degree (ZeRO-3)")
     tensor: int = _f(1, "tensor-parallel degree (Megatron column/row split)")
-    sequence: int = _f(1, "context-parallel degree (ring attention)")
+    sequence: int = _f(1, "context-parallel degree (mesh.context_parallel says how)")
+    context_parallel: str = _f("ring", "how attention meets a sequence split over "
+                               "mesh.sequence: ring (k/v blocks passed round, zig-zag "
+                               "balanced) or all_to_all (DeepSpeed-Ulysses: the sequence split "
+                               "swapped for a head split around the attention kernel)",
+                               CONTEXT_PARALLEL)
     expert: int = _f(1, "expert-parallel degree")
     stage: int = _f(1, "pipeline-parallel degree")
     sequence_parallel: bool = _f(False, "Megatron sequence parallelism on the tensor axis")

@@ -27,8 +27,11 @@ window of at least the key length is full causal attention and runs as such.
 
 When the step is traced on a mesh with a `sequence` axis (context parallelism), every
 implementation runs as ring attention, told by `sharding.zigzag.zigzag_ring()` whether the
-train step has put the sequence in its zig-zag order already. On other meshes the Pallas
-kernels run per device (`per_device.py`); cuDNN and XLA are partitioned by GSPMD.
+train step has put the sequence in its zig-zag order already; or, with
+`mesh.context_parallel=all_to_all` (`sharding.context_parallel`), the chosen kernel runs on
+whole sequences of a share of the heads between two all-to-alls (`all_to_all_context.py`). On
+other meshes the Pallas kernels run per device (`per_device.py`); cuDNN and XLA are
+partitioned by GSPMD.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from jax import lax
 
 from jaxtron.config.platforms import PLATFORMS, target_platform
 from jaxtron.errors import ConfigError
+from jaxtron.kernels.all_to_all_context import all_to_all_attention
 from jaxtron.kernels.blockwise import blockwise_causal_attention
 from jaxtron.kernels.choice import AttentionImpl, Kernel, choose, cudnn_present
 from jaxtron.kernels.context_gather import gathered_context_attention
@@ -49,6 +53,7 @@ from jaxtron.kernels.per_device import per_device
 from jaxtron.kernels.reference import check_window, reference_attention
 from jaxtron.kernels.ring import ring_attention
 from jaxtron.kernels.splash import splash_attention
+from jaxtron.sharding.context_parallel import ALL_TO_ALL, context_parallel_mode
 from jaxtron.sharding.rules import active_mesh, manual_axes
 from jaxtron.sharding.zigzag import zigzag_ring
 
@@ -68,12 +73,26 @@ def attention(q, k, v, *, causal: bool = True, segment_ids=None, impl="auto",
     if ordered_for not in (None, ring):
         raise ValueError(f"the sequence is in zig-zag order for a ring of {ordered_for}, but the "
                          f"active mesh has sequence={ring}: trace the step on its own mesh.")
+    if ring > 1 and context_parallel_mode() == ALL_TO_ALL:
+        if ordered_for is not None:
+            raise ValueError("all-to-all context parallelism needs the sequence in natural "
+                             "order, but the step put it in a ring's zig-zag order")
+        attend = functools.partial(_on_one_device, causal=causal, impl=impl, window=window,
+                                   mesh=None)
+        return all_to_all_attention(attend, q, k, v, segment_ids, mesh=mesh)
     if ring > 1:
         # Inside a pipeline stage (`stage` manual) the ring's collective-permutes would
         # deadlock XLA:CPU's conditional ticks: gather k/v instead (context_gather.py).
         cp = gathered_context_attention if "stage" in manual_axes() else ring_attention
         return cp(q, k, v, mesh=mesh, causal=causal, zigzag=ordered_for == ring,
                   segment_ids=segment_ids, window=window)
+    return _on_one_device(q, k, v, segment_ids, causal=causal, impl=impl, window=window,
+                          mesh=mesh)
+
+
+def _on_one_device(q, k, v, segment_ids, *, causal: bool, impl: AttentionImpl, window, mesh):
+    """The platform's kernel for whole sequences: `mesh` None inside a region that is manual
+    over every axis already (all-to-all context parallelism), else the active mesh."""
     # JAX's cuDNN mask is top-left aligned; with fewer queries than keys every other kernel
     # aligns bottom-right, so such calls do not go to cuDNN (as with packed segments).
     unaligned = causal and q.shape[1] != k.shape[1]

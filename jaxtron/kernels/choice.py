@@ -16,8 +16,9 @@ cuDNN serves bf16/fp16 with a head dim that is a multiple of 8 and at most 128 (
 Hopper), without packed segments (JAX's cuDNN call takes no segment ids) and with as many
 queries as keys (its causal mask is top-left aligned; every other kernel's bottom-right).
 Explicit `cudnn` runs Triton for the calls it cannot serve that way, and refuses a platform,
-dtype or head dim it never serves. With context parallelism (a `sequence` mesh axis) every
-impl runs as ring attention.
+dtype or head dim it never serves. With ring context parallelism (a `sequence` mesh axis) every
+impl runs as ring attention; with `mesh.context_parallel=all_to_all` the kernel above runs on
+whole sequences between two all-to-alls.
 
 cuDNN can only be traced where cuDNN is installed: on any other machine a step lowered for
 CUDA (`--dry-run --target cuda`) lowers Triton in cuDNN's place (`cudnn_traceable=False`), and
@@ -131,7 +132,8 @@ def configured_kernel(config: Config, platform: str, cudnn_traceable: bool = Tru
                     head_dim=max(m.qk_head_dim, m.value_head_dim),
                     segments=config.data.packing == "documents",
                     cudnn_traceable=cudnn_traceable)
-    return Kernel.RING if config.mesh.sequence > 1 else kernel
+    ring = config.mesh.sequence > 1 and config.mesh.context_parallel == "ring"
+    return Kernel.RING if ring else kernel
 
 
 def report_line(config: Config, platform: str) -> str:
@@ -141,6 +143,9 @@ def report_line(config: Config, platform: str) -> str:
     there = configured_kernel(config, platform)
     here = configured_kernel(config, platform, cudnn_traceable=cudnn_present())
     line = f"attention: model.attention_impl={impl} -> {DESCRIPTIONS[there]}"
+    if config.mesh.sequence > 1 and config.mesh.context_parallel == "all_to_all":
+        line += (f", on whole sequences of 1/{config.mesh.sequence} of the heads between "
+                 "all-to-alls over sequence")
     if here is not there:
         line += (f"; cuDNN cannot be lowered on a machine without it, so this check lowers "
                  f"{DESCRIPTIONS[here]} in its place")

@@ -32,29 +32,10 @@ def per_device(kernel, q, k, v, segment_ids, mesh: Mesh):
     Sequence and head-dim splits are not taken into the shard_map (GSPMD gathers them first):
     each device needs whole rows of keys, and the kernel whole head vectors.
     """
-    q_spec = active_spec(("batch", None, "heads", None), q.shape)
-    kv_spec = active_spec(("batch", None, "kv_heads", None), k.shape)
-    head_axes, kv_head_axes = _axes(q_spec[2]), _axes(kv_spec[2])
-    if kv_head_axes not in ((), head_axes):
-        raise ConfigError(f"pallas attention needs kv heads split like query heads or not at "
-                          f"all; the sharding rules split heads over {head_axes} and kv heads "
-                          f"over {kv_head_axes}; set model.attention_impl=xla, or choose "
-                          "mesh.tensor dividing model.num_kv_heads.")
-    heads, kv_heads = q.shape[2], k.shape[2]
-    local_heads = heads // math.prod(mesh.shape[a] for a in head_axes)
-    group = heads // kv_heads  # query heads per kv head
+    q_spec, kv_spec, own_kv_heads = split_heads(q, k, mesh)
 
     def local(q, k, v, segment_ids):
-        if head_axes and not kv_head_axes:
-            # Whole kv heads on every device: keep those this device's query heads
-            # first .. first + local_heads - 1 read (query head h reads kv head h // group).
-            first = lax.axis_index(head_axes) * local_heads
-            if group % local_heads == 0:  # all of them read one kv head
-                k, v = (lax.dynamic_slice_in_dim(x, first // group, 1, axis=2) for x in (k, v))
-            else:  # local heads straddle groups unevenly: one kv head per query head
-                index = (first + jnp.arange(local_heads)) // group
-                k, v = (jnp.take(x, index, axis=2) for x in (k, v))
-        return kernel(q, k, v, segment_ids)
+        return kernel(q, *own_kv_heads(k, v), segment_ids)
 
     # Inside another shard_map (the pipeline's over `stage`) the context mesh has that axis
     # manual already: map over the rest of it, so the kernel sits in a fully manual region.
@@ -65,3 +46,34 @@ def per_device(kernel, q, k, v, segment_ids, mesh: Mesh):
                            in_specs=(q_spec, kv_spec, kv_spec, seg_spec), out_specs=q_spec,
                            axis_names=set(mesh.axis_names) - manual_axes(), check_vma=False)
     return mapped(q, k, v, segment_ids)
+
+
+def split_heads(q, k, mesh: Mesh, seq: str | None = None):
+    """How q_BxLxHxK and k_BxSxGxK split over `mesh` by the activation rules (the sequence
+    by the rule `seq`, or not at all): -> (q spec, kv spec, own_kv_heads), where
+    own_kv_heads(k, v), called inside a shard_map over those specs, keeps the kv heads this
+    rank's query heads read (whole kv heads replicated over tensor otherwise)."""
+    q_spec = active_spec(("batch", seq, "heads", None), q.shape)
+    kv_spec = active_spec(("batch", seq, "kv_heads", None), k.shape)
+    head_axes, kv_head_axes = _axes(q_spec[2]), _axes(kv_spec[2])
+    if kv_head_axes not in ((), head_axes):
+        raise ConfigError(f"pallas attention needs kv heads split like query heads or not at "
+                          f"all; the sharding rules split heads over {head_axes} and kv heads "
+                          f"over {kv_head_axes}; set model.attention_impl=xla, or choose "
+                          "mesh.tensor dividing model.num_kv_heads.")
+    heads, kv_heads = q.shape[2], k.shape[2]
+    local_heads = heads // math.prod(mesh.shape[a] for a in head_axes)
+    group = heads // kv_heads  # query heads per kv head
+
+    def own_kv_heads(k, v):
+        if not head_axes or kv_head_axes:
+            return k, v
+        # Whole kv heads on every device: keep those this device's query heads
+        # first .. first + local_heads - 1 read (query head h reads kv head h // group).
+        first = lax.axis_index(head_axes) * local_heads
+        if group % local_heads == 0:  # all of them read one kv head
+            return tuple(lax.dynamic_slice_in_dim(x, first // group, 1, axis=2) for x in (k, v))
+        index = (first + jnp.arange(local_heads)) // group  # one kv head per query head
+        return tuple(jnp.take(x, index, axis=2) for x in (k, v))
+
+    return q_spec, kv_spec, own_kv_heads

@@ -24,6 +24,7 @@ class Layout:
     schedule: str = "1f1b"
     virtual_stages: int = 1
     recompute: bool = True     # pipeline backward runs the stage again (False: stored residuals)
+    context_parallel: str = "ring"  # with sequence > 1: ring or all_to_all
 
     @property
     def devices(self) -> int:
@@ -44,6 +45,8 @@ class Layout:
         out.update({"mesh.sequence_parallel": self.sequence_parallel,
                     "optim.zero_stage": self.zero_stage, "model.remat": self.remat,
                     "optim.grad_accum": self.grad_accum})
+        if self.sequence > 1:
+            out["mesh.context_parallel"] = self.context_parallel
         if self.stage > 1:
             out.update({"pipeline.microbatches": self.microbatches,
                         "pipeline.schedule": self.schedule,
@@ -53,6 +56,8 @@ class Layout:
 
     def describe(self) -> str:
         parts = [f"{k}={v}" for k, v in self.degrees().items() if v > 1] or ["1 device"]
+        if self.sequence > 1 and self.context_parallel != "ring":
+            parts.append("a2a")
         if self.sequence_parallel:
             parts.append("sp")
         if self.zero_stage:
@@ -73,7 +78,8 @@ def layout_of(config: Config, degrees: dict[str, int]) -> Layout:
                   zero_stage=c.optim.zero_stage, remat=c.model.remat,
                   microbatches=c.pipeline.microbatches, grad_accum=c.optim.grad_accum,
                   schedule=c.pipeline.schedule, virtual_stages=c.pipeline.virtual_stages,
-                  recompute=c.pipeline.recompute)
+                  recompute=c.pipeline.recompute,
+                  context_parallel=c.mesh.context_parallel if degrees["sequence"] > 1 else "ring")
 
 
 def apply(config: Config, layout: Layout) -> Config:

@@ -20,7 +20,8 @@ token the block keeps, in the compute dtype,
                  `models/activations.py` writes their derivatives from the inputs alone)
 
 and no dropout masks. No attention implementation keeps [L, L] scores (flash-style, they keep
-the output and a log-sum-exp per row), ring attention (a `sequence` axis) included.
+the output and a log-sum-exp per row), ring attention (a `sequence` axis) included; all-to-all
+context parallelism keeps k and v at the heads it exchanged, max(G', n) of them.
 `remat: full` keeps only each block's input (D / r); `save_dots` keeps the matmul outputs. The
 backward of a block needs 1-2 blocks' worth of working memory on top: the activations it
 consumes (kept or recomputed) and their gradients, as the intercept of XLA's memory against
@@ -175,6 +176,17 @@ def _state_bytes(model, moe, moment_dtype: str, zero_stage: int, degrees: tuple,
 BACKWARD_WORKING_BLOCKS = 1.5
 
 
+def a2a_kv_heads(config: Config, layout: Layout) -> int:
+    """The kv heads one tensor rank's query heads read (`per_device.split_heads`)."""
+    m, t = config.model, layout.tensor
+    heads = m.num_heads // t
+    if m.attention == "mla":
+        return heads
+    if m.kv_heads % t == 0:
+        return m.kv_heads // t
+    return 1 if (m.num_heads // m.kv_heads) % heads == 0 else heads
+
+
 def layer_activation_bytes(config: Config, layout: Layout, tokens: int, policy: str) -> float:
     """Bytes one block keeps for the backward, for `tokens` tokens of one sequence shard."""
     m = config.model
@@ -183,6 +195,9 @@ def layer_activation_bytes(config: Config, layout: Layout, tokens: int, policy: 
     r = t if layout.sequence_parallel else 1
     kv_split = t if m.kv_heads % t == 0 else 1
     hk, gk = m.num_heads * m.resolved_head_dim, m.kv_heads * m.resolved_head_dim
+    if layout.sequence > 1 and layout.context_parallel == "all_to_all":
+        # the kernel keeps k and v at the heads exchanged: repeated up to n when fewer
+        gk = max(a2a_kv_heads(config, layout), layout.sequence) * m.resolved_head_dim * kv_split
     if policy == "full":
         return e * tokens * m.d_model / r
     dots = 2 * hk / t + 2 * gk / kv_split + 2 * _mlp_width(config, layout) / t + 2 * m.d_model / r

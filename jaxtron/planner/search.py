@@ -2,7 +2,8 @@
 
 The search covers every factorisation of the devices into stage x data x fsdp x expert x
 sequence x tensor (tensor within one node and dividing the heads, MLP and vocabulary; expert
-dividing the experts; sequence only for sequences of 4k tokens or more), sequence parallelism
+dividing the experts; sequence only for sequences of 4k tokens or more, as a ring or by
+all-to-all), sequence parallelism
 with tensor > 1, ZeRO 0/1/2 with data > 1, remat none/save_dots/full, pipeline microbatches
 p, 2p, 4p, 8p (and the smallest count >= p dividing the batch; multiples of p when
 interleaved) with 1F1B, GPipe, zero-bubble ZB-H1 and ZB-V and interleaved (2 chunks) schedules, and gradient accumulation to bring the microbatch down
@@ -49,22 +50,30 @@ def _meshes(config: Config, devices: int, node_size: int):
                 continue
             rest = devices // tensor // stage
             for sequence in divisors(rest):
-                # Inside pipeline stages context parallelism gathers k/v instead of the
-                # ring, whose memory and traffic the predictions do not model.
-                if sequence > 1 and (config.data.seq_len < 4096
-                                     or config.data.seq_len % (2 * sequence)
-                                     or config.moe.enabled or stage > 1):
-                    continue
-                for expert in divisors(rest // sequence):
-                    if expert > 1 and (not config.moe.enabled
-                                       or config.moe.num_experts % expert):
-                        continue
-                    for fsdp in divisors(rest // sequence // expert):
-                        if m.d_model % fsdp:
+                for mode in _context_modes(config, sequence, stage):
+                    for expert in divisors(rest // sequence):
+                        if expert > 1 and (not config.moe.enabled
+                                           or config.moe.num_experts % expert):
                             continue
-                        data = rest // sequence // expert // fsdp
-                        yield Layout(data=data, fsdp=fsdp, tensor=tensor, sequence=sequence,
-                                     expert=expert, stage=stage)
+                        for fsdp in divisors(rest // sequence // expert):
+                            if m.d_model % fsdp:
+                                continue
+                            data = rest // sequence // expert // fsdp
+                            yield Layout(data=data, fsdp=fsdp, tensor=tensor,
+                                         sequence=sequence, expert=expert, stage=stage,
+                                         context_parallel=mode)
+
+
+def _context_modes(config: Config, sequence: int, stage: int) -> tuple[str, ...]:
+    """Forms of context parallelism worth trying over `sequence` devices: none below 4k
+    tokens. Inside pipeline stages the ring gathers k/v instead (`context_gather.py`), whose
+    memory and traffic the predictions do not model; all-to-all runs there as it is."""
+    if sequence == 1:
+        return ("ring",)
+    if config.data.seq_len < 4096 or config.moe.enabled:
+        return ()
+    ring = stage == 1 and config.data.seq_len % (2 * sequence) == 0
+    return ("ring",) * ring + ("all_to_all",)
 
 
 def _accumulations(sequences: int) -> list[int]:

@@ -35,8 +35,9 @@ microbatches) per step.
               experts' weights are gathered over fsdp once per pass (the expert shard_map keeps
               them for the backward) and reduced over data alone.
     sequence  per pass and layer, ring attention sends k and v on n-1 hops forward and n-1
-              backward (compute dtype), and the fp32 dk/dv on n hops; the weights' gradients
-              are reduced over sequence like over data
+              backward (compute dtype), and the fp32 dk/dv on n hops; all-to-all sends
+              (n-1)/n of q, k, v and the output forward and of their gradients backward; the
+              weights' gradients are reduced over sequence like over data
     stage     per schedule tick, the stage output forward and its gradient backward (idle
               ranks send zeros), 2 A; per pass the embedding and head slices to the ranks that
               use them, (p-1)/p^2 of each table, and their gradients back once per step
@@ -55,6 +56,7 @@ import numpy as np
 from jaxtron.config.schema import Config
 from jaxtron.planner.layout import Layout
 from jaxtron.planner.memory import (
+    a2a_kv_heads,
     dropless_buffer_rows,
     end_bytes,
     expert_gradient_bytes,
@@ -93,10 +95,12 @@ def _sequence(config: Config, layout: Layout) -> float:
     """Per pass: ring attention (`kernels/ring.py`) sends the k/v block on n-1 hops forward and
     again in the backward, with the fp32 dk/dv accumulators travelling n hops (also under
     `remat: full`: the recomputed block takes the ring's saved output and log-sum-exp, as
-    the counter shows)."""
+    the counter shows). All-to-all (`kernels/all_to_all_context.py`): see `_all_to_all`."""
     n = layout.sequence
     if n == 1:
         return 0.0
+    if layout.context_parallel == "all_to_all":
+        return _all_to_all(config, layout)
     m = config.model
     e = np.dtype(m.compute_dtype).itemsize
     tokens = microbatch_tokens(config, layout)
@@ -106,6 +110,27 @@ def _sequence(config: Config, layout: Layout) -> float:
     forward = (n - 1) * e * kv
     backward = (n - 1) * e * kv + n * 4 * kv
     return (forward + backward) * layers
+
+
+def _all_to_all(config: Config, layout: Layout) -> float:
+    """Per pass and layer: q, k, v and the output each cross the axis once forward, (n-1)/n of
+    this device's share, and their gradients once backward; any remat policy runs the
+    forward's again (`save_dots` keeps the projections, not what the exchange made of them).
+    k and v go at max(G', n) heads (G' = the kv heads a tensor rank reads: repeated up to n
+    when fewer). Packed documents add the int32 segment ids, all-gathered per layer."""
+    n, m = layout.sequence, config.model
+    e = np.dtype(m.compute_dtype).itemsize
+    tokens = microbatch_tokens(config, layout)
+    layers = math.ceil(m.num_layers / layout.stage)
+    heads = m.num_heads // layout.tensor
+    q = tokens * heads * m.qk_head_dim
+    out = tokens * heads * m.value_head_dim
+    kv = tokens * max(a2a_kv_heads(config, layout), n) * (m.qk_head_dim + m.value_head_dim)
+    passes = 2 if layout.remat == "none" else 3
+    sent = passes * ring(n) * e * (q + kv + out)
+    if config.data.packing == "documents":
+        sent += ring(n) * 4 * tokens * n
+    return sent * layers
 
 
 def _stage(config: Config, layout: Layout) -> tuple[float, float]:

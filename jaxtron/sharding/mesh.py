@@ -72,6 +72,10 @@ def build_mesh(mesh: MeshConfig, devices=None) -> Mesh:
     return Mesh(grid, MESH_AXES, axis_types=axis_types)
 
 
-def describe_mesh(mesh: Mesh) -> str:
-    parts = [f"{name}={size}" for name, size in mesh.shape.items() if size > 1]
+def describe_mesh(mesh: Mesh, context_parallel: str = "ring") -> str:
+    """"8 devices (data=2, sequence=4 all_to_all)": the degrees, and how the sequence is split
+    when it is not a ring."""
+    parts = [f"{name}={size}" + (f" {context_parallel}" if name == "sequence"
+                                 and context_parallel != "ring" else "")
+             for name, size in mesh.shape.items() if size > 1]
     return f"{mesh.devices.size} devices ({', '.join(parts) or 'single device'})"

@@ -29,6 +29,7 @@ from jaxtron.kernels import fp8
 from jaxtron.kernels.choice import configured_kernel, cudnn_present
 from jaxtron.models.transformer import Transformer
 from jaxtron.runtime.cpu_matmuls import compiler_options, keep_until_exit
+from jaxtron.sharding.context_parallel import RING, context_parallel
 from jaxtron.sharding.mesh import build_mesh
 from jaxtron.sharding.rules import (
     activation_rules,
@@ -71,7 +72,8 @@ class Trainer:
         self.graphdef, _ = nnx.split(abstract_model)
         self.stages = (StagedModel(config, self.mesh) if config.mesh.stage > 1
                        else None)
-        self.loss_fn = make_loss_fn(self.graphdef, self.mesh.shape["sequence"])
+        ring = self.mesh.shape["sequence"] if config.mesh.context_parallel == RING else 1
+        self.loss_fn = make_loss_fn(self.graphdef, ring)
 
         self._abstract = abstract = jax.eval_shape(self._init)  # traced once, reused below
         replicated = NamedSharding(self.mesh, PartitionSpec())
@@ -147,7 +149,8 @@ class Trainer:
 
     @contextlib.contextmanager
     def _tracing(self):
-        with activation_sharding(self.mesh, self.activation_rules), building_for(self.platform):
+        with (activation_sharding(self.mesh, self.activation_rules),
+              building_for(self.platform), context_parallel(self.config.mesh.context_parallel)):
             yield
 
     def compile_step(self, state: TrainState, batch: dict, compiler_options=None):
