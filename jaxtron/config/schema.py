@@ -22,7 +22,7 @@ def _f(default, help: str, choices: tuple | None = None):
 
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 PACKINGS = ("stream", "documents")
-REMAT_POLICIES = ("none", "full", "save_dots")
+REMAT_POLICIES = ("none", "full", "save_dots", "offload")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "pallas")
 MODEL_TYPES = ("llama", "gpt2")
 ATTENTIONS = ("mha", "mla")
@@ -79,7 +79,9 @@ class ModelConfig:
     dtype: str = _f("auto", "compute dtype of activations and matmuls (auto = bfloat16 on "
                     "GPUs and TPUs, float32 on CPU)", ("auto", *COMPUTE_DTYPES))
     param_dtype: str = _f("float32", "storage dtype of parameters (master weights)", COMPUTE_DTYPES)
-    remat: str = _f("none", "activation recompute policy for each block", REMAT_POLICIES)
+    remat: str = _f("none", "activation recompute policy for each block (offload: full, "
+                    "with each block's input and attention's output kept in pinned host "
+                    "memory)", REMAT_POLICIES)
     scan_layers: bool = _f(True, "run blocks with lax.scan (compile time flat in depth)")
     cross_entropy: str = _f("plain", "loss: plain (full logits) or chunked (fused, logits "
                             "never materialised in full)", ("plain", "chunked"))

@@ -5,7 +5,8 @@ axis, and applied with `jax.lax.scan`: compile time does not grow with depth. `s
 runs the same stacked parameters in a Python loop (used to test that scan changes nothing).
 The remat policy wraps the block body: `full` recomputes the whole block in the backward pass,
 `save_dots` keeps matmul outputs (and attention's output) and recomputes the cheap elementwise
-work.
+work, `offload` keeps each block's input and attention's output in pinned host memory and
+recomputes the rest.
 
 Llama: RMSNorm, RoPE, SwiGLU, grouped-query attention, untied embeddings (Touvron et al. 2023).
 GPT-2: LayerNorm, learned positions, GELU, tied embeddings (Radford et al. 2019).
@@ -35,6 +36,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxtron.config.schema import ModelConfig, MoEConfig
 from jaxtron.kernels.blockwise import ATTENTION_RESIDUALS
@@ -45,6 +47,7 @@ from jaxtron.models.mtp import MultiTokenPrediction
 from jaxtron.models.token_positions import PLAIN, TokenPositions
 from jaxtron.sharding.rules import constrain
 
+BLOCK_INPUT = "block_input"
 REMAT_POLICIES = {
     "full": None,  # save nothing: recompute the whole block
     # The weight matmuls' outputs, and attention's output and log-sum-exp where the kernel
@@ -52,6 +55,14 @@ REMAT_POLICIES = {
     "save_dots": jax.checkpoint_policies.save_from_both_policies(
         jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
         jax.checkpoint_policies.save_only_these_names(*ATTENTION_RESIDUALS)),
+    # Nothing kept on the device: each block's input and attention's output and log-sum-exp
+    # go to pinned host memory in the forward and come back for the backward, which then
+    # recomputes the block's other work from them (MaxText's offload policies). Every use
+    # of the block input reads the named copy, so the device copy is not a residual.
+    "offload": jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[],
+        names_which_can_be_offloaded=[BLOCK_INPUT, *ATTENTION_RESIDUALS],
+        offload_src="device", offload_dst="pinned_host"),
 }
 
 
@@ -138,6 +149,7 @@ def run_blocks(cfg: ModelConfig, graphdef, stacked, x_BxLxD, active_N=None,
 
     def body(carry, layer):
         x, stats = carry
+        x = checkpoint_name(x, BLOCK_INPUT)
         layer_state, active = layer
         y, layer_stats = nnx.merge(graphdef, layer_state)(x, token_pos)
         layer_stats = dict(layer_stats)

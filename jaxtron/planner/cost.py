@@ -20,7 +20,7 @@ from jaxtron.config.schema import Config
 from jaxtron.pipeline.timeline import weighted_idle
 from jaxtron.planner.hardware import Hardware
 from jaxtron.planner.layout import Layout
-from jaxtron.planner.memory import schedule_table
+from jaxtron.planner.memory import offloaded_bytes, schedule_table
 from jaxtron.planner.traffic import communication
 from jaxtron.training.flops import hardware_flops_per_token, training_flops_per_token
 
@@ -91,10 +91,21 @@ def estimate(config: Config, layout: Layout, hardware: Hardware, platform: str =
                                else hardware.inter_bw)
                for axis, volume in volumes.items()}
     critical = seconds["tensor"] + seconds["sequence"] + seconds["expert"] + seconds["stage"]
-    hidden = max(0.0, seconds["data"] + seconds["fsdp"] - compute * 2 / 3)  # overlap backward
+    # remat: offload copies to host in the forward and back in the backward, beside the
+    # compute like the data-parallel reductions
+    host = host_seconds(config, layout, hardware)
+    hidden = max(0.0, seconds["data"] + seconds["fsdp"] + host - compute * 2 / 3)
     step = compute / (1 - idle) + critical + hidden
     mfu = model_flops / step / (layout.devices * hardware.peak_flops)
     return Cost(volumes, seconds, bubble, idle, compute, step, mfu)
+
+
+def host_seconds(config: Config, layout: Layout, hardware: Hardware) -> float:
+    """Seconds per step on the host link under `remat: offload`: each layer's offloaded bytes
+    out in the forward and in again in the backward."""
+    passes = layout.grad_accum * (layout.microbatches if layout.stage > 1 else 1)
+    layers = math.ceil(config.model.num_layers / layout.stage)
+    return 2 * offloaded_bytes(config, layout) * layers * passes / hardware.host_bw
 
 
 def _with_remat(config: Config, layout: Layout) -> Config:

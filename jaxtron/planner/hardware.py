@@ -1,7 +1,8 @@
 """Accelerators the planner knows: peak FLOP/s, memory and link bandwidths per device.
 
 Peaks are dense bf16 datasheet numbers; bandwidths are one direction per device: NVLink (or
-TPU ICI) inside a node, the network (InfiniBand / DCN) between nodes. `efficiency` is the share
+TPU ICI) inside a node, the network (InfiniBand / DCN) between nodes, and the host link
+(PCIe) that `remat: offload` moves activations over. `efficiency` is the share
 of peak that large transformer matmuls reach in practice; the roofline uses peak x efficiency.
 Every number can be overridden on the command line.
 """
@@ -22,11 +23,12 @@ class Hardware:
     inter_bw: float
     node_size: int
     efficiency: float = 0.7
+    host_bw: float = 50e9  # device <-> pinned host memory, one direction (PCIe Gen5 x16)
 
 
 GiB = 2**30
 HARDWARE = {
-    "a100": Hardware("a100", PEAK["A100"], 80 * GiB, 300e9, 25e9, 8),
+    "a100": Hardware("a100", PEAK["A100"], 80 * GiB, 300e9, 25e9, 8, host_bw=25e9),
     "h100": Hardware("h100", PEAK["H100"], 80 * GiB, 450e9, 50e9, 8),
     "h200": Hardware("h200", PEAK["H200"], 141 * 10**9, 450e9, 50e9, 8),
     "b200": Hardware("b200", PEAK["B200"], 180 * 10**9, 900e9, 50e9, 8),

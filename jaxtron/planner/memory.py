@@ -22,7 +22,9 @@ token the block keeps, in the compute dtype,
 and no dropout masks. No attention implementation keeps [L, L] scores (flash-style, they keep
 the output and a log-sum-exp per row), ring attention (a `sequence` axis) included; all-to-all
 context parallelism keeps k and v at the heads it exchanged, max(G', n) of them.
-`remat: full` keeps only each block's input (D / r); `save_dots` keeps the matmul outputs. The
+`remat: full` keeps only each block's input (D / r); `save_dots` keeps the matmul outputs;
+`offload` keeps nothing on the device (the block input and attention's output wait in host
+memory, `offloaded_bytes`). The
 backward of a block needs 1-2 blocks' worth of working memory on top: the activations it
 consumes (kept or recomputed) and their gradients, as the intercept of XLA's memory against
 depth shows (BACKWARD_WORKING_BLOCKS), one more under `remat: full`, whose backward holds a
@@ -187,6 +189,20 @@ def a2a_kv_heads(config: Config, layout: Layout) -> int:
     return 1 if (m.num_heads // m.kv_heads) % heads == 0 else heads
 
 
+def offloaded_bytes(config: Config, layout: Layout) -> float:
+    """Bytes `remat: offload` moves to host memory per microbatch pass and layer, and back:
+    the block input (D / r a token), attention's output (H K / t) and its fp32 log-sum-exp
+    (H / t)."""
+    if layout.remat != "offload":
+        return 0.0
+    m, t = config.model, layout.tensor
+    e = np.dtype(m.compute_dtype).itemsize
+    r = t if layout.sequence_parallel else 1
+    per_token = (e * m.d_model / r + e * m.num_heads * m.value_head_dim / t
+                 + 4 * m.num_heads / t)
+    return microbatch_tokens(config, layout) * per_token
+
+
 def layer_activation_bytes(config: Config, layout: Layout, tokens: int, policy: str) -> float:
     """Bytes one block keeps for the backward, for `tokens` tokens of one sequence shard."""
     m = config.model
@@ -200,6 +216,8 @@ def layer_activation_bytes(config: Config, layout: Layout, tokens: int, policy: 
         gk = max(a2a_kv_heads(config, layout), layout.sequence) * m.resolved_head_dim * kv_split
     if policy == "full":
         return e * tokens * m.d_model / r
+    if policy == "offload":  # kept in host memory (`offloaded_bytes`), none on the device
+        return 0.0
     dots = 2 * hk / t + 2 * gk / kv_split + 2 * _mlp_width(config, layout) / t + 2 * m.d_model / r
     norm_saves = 1 if m.type == "llama" else 3
     full = (2 * (2 + norm_saves) * m.d_model / r + 2 * hk / t
@@ -304,7 +322,7 @@ def predict(config: Config, layout: Layout) -> Memory:
     e = np.dtype(m.compute_dtype).itemsize
     tokens = microbatch_tokens(config, layout)
     layers = math.ceil(m.num_layers / layout.stage)
-    blocks = BACKWARD_WORKING_BLOCKS + (1 if layout.remat == "full" else 0)
+    blocks = BACKWARD_WORKING_BLOCKS + (1 if layout.remat in ("full", "offload") else 0)
     working = blocks * layer_activation_bytes(config, layout, tokens, "none")
     if layout.fsdp > 1:  # one block's weights gathered for the forward, one for the backward
         working += 2 * gathered_block_bytes(config, layout)

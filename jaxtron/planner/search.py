@@ -4,7 +4,8 @@ The search covers every factorisation of the devices into stage x data x fsdp x 
 sequence x tensor (tensor within one node and dividing the heads, MLP and vocabulary; expert
 dividing the experts; sequence only for sequences of 4k tokens or more, as a ring or by
 all-to-all), sequence parallelism
-with tensor > 1, ZeRO 0/1/2 with data > 1, remat none/save_dots/full, pipeline microbatches
+with tensor > 1, ZeRO 0/1/2 with data > 1, remat none/save_dots/full (and offload to host
+memory, not on CPUs), pipeline microbatches
 p, 2p, 4p, 8p (and the smallest count >= p dividing the batch; multiples of p when
 interleaved) with 1F1B, GPipe, zero-bubble ZB-H1 and ZB-V and interleaved (2 chunks) schedules, and gradient accumulation to bring the microbatch down
 (to one sequence) when nothing else fits. Each candidate passes the same checks a run does
@@ -25,7 +26,7 @@ from jaxtron.planner.hardware import Hardware
 from jaxtron.planner.layout import Layout, apply
 from jaxtron.planner.memory import Memory, predict
 
-REMATS = ("none", "save_dots", "full")
+REMATS = ("none", "save_dots", "full", "offload")  # offload: not on CPUs (no host memory kind)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +95,7 @@ def _microbatch_counts(per_replica: int, stages: int) -> list[int]:
     return counts
 
 
-def _variants(config: Config, mesh: Layout):
+def _variants(config: Config, mesh: Layout, remats: tuple[str, ...]):
     batch = config.train.batch_size
     if batch % mesh.batch_split:
         return
@@ -112,7 +113,7 @@ def _variants(config: Config, mesh: Layout):
                     pipelines.append((mb, "interleaved", 2))
     recomputes = (True, False) if mesh.stage > 1 else (True,)
     for sp, zero, remat, (mb, schedule, virtual), recompute in itertools.product(
-            sps, zeros, REMATS, pipelines, recomputes):
+            sps, zeros, remats, pipelines, recomputes):
         for accum in _accumulations(per_replica // mb if per_replica % mb == 0 else 0):
             if sp and config.data.seq_len % (mesh.tensor * mesh.sequence):
                 continue
@@ -123,8 +124,9 @@ def _variants(config: Config, mesh: Layout):
 
 
 def candidates(config: Config, devices: int, hardware: Hardware, platform: str = "gpu"):
+    remats = REMATS if platform != "cpu" else REMATS[:-1]
     for mesh in _meshes(config, devices, hardware.node_size):
-        for layout in _variants(config, mesh):
+        for layout in _variants(config, mesh, remats):
             yield Candidate(layout, predict(config, layout),
                             estimate(config, layout, hardware, platform))
 

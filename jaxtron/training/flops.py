@@ -100,10 +100,12 @@ def peak_flops(devices) -> tuple[float, str]:
 
 
 def recomputes_block_forward(config) -> bool:
-    """Whether the backward runs every block's forward again: `model.remat: full`, or a
+    """Whether the backward runs every block's forward again: `model.remat: full` (or
+    `offload`, all but attention), or a
     pipeline, whose backward re-runs each stage from its stored input (unless
     `pipeline.recompute: false` stores the residuals instead)."""
-    return config.model.remat == "full" or (config.mesh.stage > 1 and config.pipeline.recompute)
+    return (config.model.remat in ("full", "offload")
+            or (config.mesh.stage > 1 and config.pipeline.recompute))
 
 
 def save_dots_repeats_attention(config, platform: str | None = None) -> bool:
@@ -125,4 +127,6 @@ def hardware_flops_per_token(config, platform: str | None = None) -> float:
         repeats = m.remat == "save_dots" and save_dots_repeats_attention(config, platform)
         return model + (attention if repeats else 0.0)
     blocks = matmul_params(m, moe) - m.d_model * m.vocab_size
-    return model + 2 * blocks + attention
+    # `offload` brings attention's output back from the host: its forward is not repeated
+    kept = m.remat == "offload" and not (config.mesh.stage > 1 and config.pipeline.recompute)
+    return model + 2 * blocks + (0.0 if kept else attention)
