@@ -119,7 +119,7 @@ def bench_jaxtron(config, devices, warmup, steps, repeats) -> dict:
     memory = memory_report(trainer.abstract_state(), compiled)
     step_s, _ = time_steps(compiled, state, batch, warmup, steps, repeats)
     return {"step_s": step_s, "compile_s": compile_s, "memory": memory,
-            "mesh": describe_mesh(trainer.mesh, config.mesh.context_parallel)}
+            "mesh": describe_mesh(trainer.mesh, config.mesh)}
 
 
 def bench_plain(config, device, warmup, steps, repeats) -> float:

@@ -1,8 +1,10 @@
-"""All-to-all context parallelism (`mesh.context_parallel=all_to_all`, DeepSpeed-Ulysses): the
-numbers of one device with grouped-query attention, packed documents and windows, under data x
-fsdp x tensor and inside pipeline stages; lowerings for GPUs and TPUs; and the bytes the
-compiled step sends over `sequence` against the formula (four all-to-alls per attention forward,
-their transposes backward)."""
+"""All-to-all context parallelism (`mesh.context_parallel=all_to_all`, DeepSpeed-Ulysses) and
+hybrid (all-to-all within groups, rings across them): the numbers of one device with
+grouped-query attention, packed documents and windows, under data x fsdp x tensor and (all-to-
+all) inside pipeline stages; lowerings for GPUs and TPUs; and the bytes the compiled step sends
+over `sequence` against the formula (four all-to-alls per attention forward, their transposes
+backward). `python -m jaxtron.planner.validate` rows (tests/test_planner.py) check the
+planner's bytes and memory for both."""
 
 import re
 
@@ -85,7 +87,7 @@ def model_configs(mesh: dict, model=None, **sections):
     sections = {"data": {"seq_len": 64, **sections.pop("data", {})},
                 "train": {"batch_size": 4}, **sections}
     single = {k: v for k, v in sections.items() if k != "pipeline"}
-    return (make_config({**mesh, "mesh.context_parallel": "all_to_all"}, model=model,
+    return (make_config({"mesh.context_parallel": "all_to_all", **mesh}, model=model,
                         **sections),
             make_config({"mesh.data": 1}, model=model, **single))
 
@@ -101,6 +103,17 @@ LAYOUTS = {
                                 {"data": {"packing": "documents"}}),
     "stage2_sequence2_data2": ({"mesh.stage": 2, "mesh.data": 2, "mesh.sequence": 2}, {},
                                {"pipeline": {"microbatches": 2, "schedule": "zb-h1"}}),
+    # hybrid: all-to-all within groups of 2 or 4, rings of 2 across them
+    "hybrid_data2_sequence4_group2": (
+        {"mesh.data": 2, "mesh.sequence": 4, "mesh.context_parallel": "hybrid",
+         "mesh.all_to_all_group": 2}, {}, {}),
+    "hybrid_packed_window_sequence8_group4": (
+        {"mesh.data": 1, "mesh.sequence": 8, "mesh.context_parallel": "hybrid",
+         "mesh.all_to_all_group": 4}, {"sliding_window": 12},
+        {"data": {"packing": "documents"}}),
+    "hybrid_tensor2_sequence4_group2_one_kv_head": (
+        {"mesh.data": 1, "mesh.tensor": 2, "mesh.sequence": 4, "mesh.context_parallel": "hybrid",
+         "mesh.all_to_all_group": 2}, {"num_kv_heads": 1}, {}),
 }
 
 
@@ -140,13 +153,19 @@ def test_compiled_bytes_are_four_exchanges_forward_and_four_backward(remat):
 
 @pytest.mark.parametrize("platform", ["cuda", "rocm", "tpu"])
 def test_lowers_for_gpus_and_tpus_with_their_kernels(platform):
-    """The platform's kernel (Triton on GPUs, splash on TPUs) runs between the exchanges."""
+    """The platform's kernel (Triton on GPUs, splash on TPUs) runs between the exchanges;
+    hybrid's rings hop between groups (collective permutes)."""
     config, _ = model_configs({"mesh.data": 2, "mesh.sequence": 4},
                               {"max_seq_len": 256, "dtype": "bfloat16"}, data={"seq_len": 256})
     text = Trainer(config, platform=platform).lower_step().as_text()
     assert "all_to_all" in text
     kernel = "tpu_custom_call" if platform == "tpu" else "__gpu$xla.gpu.triton"
     assert kernel in text
+    hybrid, _ = model_configs({"mesh.data": 2, "mesh.sequence": 4,
+                               "mesh.context_parallel": "hybrid", "mesh.all_to_all_group": 2},
+                              {"max_seq_len": 256, "dtype": "bfloat16"}, data={"seq_len": 256})
+    text = Trainer(hybrid, platform=platform).lower_step().as_text()
+    assert "all_to_all" in text and "collective_permute" in text
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -156,6 +175,15 @@ def test_lowers_for_gpus_and_tpus_with_their_kernels(platform):
      "the 6 kv head(s) of a tensor rank"),
     ({"mesh.sequence": 8, "data.seq_len": 36}, "data.seq_len=36 must be a multiple of "
                                                "mesh.sequence=8"),
+    ({"mesh.sequence": 4, "mesh.context_parallel": "hybrid", "mesh.all_to_all_group": 3},
+     "mesh.all_to_all_group=3 above 1, below mesh.sequence=4 and dividing it"),
+    ({"mesh.sequence": 4, "mesh.context_parallel": "ring", "mesh.all_to_all_group": 2},
+     "mesh.all_to_all_group=2 is only read with mesh.context_parallel=hybrid"),
+    ({"mesh.sequence": 2, "mesh.stage": 2, "mesh.context_parallel": "hybrid",
+      "mesh.all_to_all_group": 2, "pipeline.microbatches": 2}, "above 1, below"),
+    ({"mesh.sequence": 4, "mesh.stage": 2, "mesh.context_parallel": "hybrid",
+      "mesh.all_to_all_group": 2, "pipeline.microbatches": 2},
+     "hybrid runs rings, which cannot run inside pipeline stages"),
 ])
 def test_layouts_it_cannot_split_are_refused_at_load_with_the_fix(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):

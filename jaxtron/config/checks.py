@@ -395,12 +395,30 @@ def check_layout(c: Config, degrees: dict[str, int]) -> None:
 
 def _check_context_parallel(c: Config, n: int, tensor: int) -> None:
     """A ring cuts the sequence into 2n chunks (zig-zag); all-to-all cuts it into n and hands
-    each device H / (tensor x n) whole query heads and the kv heads they read."""
-    if c.mesh.context_parallel == "ring":
+    each device H / (tensor x n) whole query heads and the kv heads they read; hybrid runs
+    all-to-all within groups of g and rings of n / g across them."""
+    mode, g = c.mesh.context_parallel, c.mesh.all_to_all_group
+    _check(mode == "hybrid" or g == 1,
+           f"mesh.all_to_all_group={g} is only read with mesh.context_parallel=hybrid; set "
+           "mesh.context_parallel=hybrid, or remove it.")
+    if mode == "ring":
         _check(c.data.seq_len % (2 * n) == 0,
                f"data.seq_len={c.data.seq_len} must be a multiple of 2 x mesh.sequence = "
                f"{2 * n}: ring context parallelism cuts the sequence into two chunks per device.")
         return
+    if mode == "hybrid":
+        _check(1 < g < n and n % g == 0,
+               f"mesh.context_parallel=hybrid needs mesh.all_to_all_group={g} above 1, below "
+               f"mesh.sequence={n} and dividing it (the all-to-all inside each group, rings of "
+               "mesh.sequence / group across them); or use ring or all_to_all.")
+        _check(c.mesh.stage == 1,
+               "mesh.context_parallel=hybrid runs rings, which cannot run inside pipeline "
+               "stages; use mesh.context_parallel=all_to_all with mesh.stage > 1.")
+        rings = n // g
+        _check(c.data.seq_len % (2 * rings) == 0 and c.data.seq_len % n == 0,
+               f"data.seq_len={c.data.seq_len} must be a multiple of mesh.sequence={n} and of "
+               f"2 x the {rings} ring members for mesh.context_parallel=hybrid.")
+        n = g  # what the all-to-all splits
     if n == 1:
         return
     _check(c.data.seq_len % n == 0,
@@ -408,7 +426,7 @@ def _check_context_parallel(c: Config, n: int, tensor: int) -> None:
            "mesh.context_parallel=all_to_all.")
     heads = c.model.num_heads // tensor
     _check(heads % n == 0,
-           f"mesh.context_parallel=all_to_all hands each of the mesh.sequence={n} devices whole "
+           f"mesh.context_parallel={mode} hands each of the {n} devices of an all-to-all whole "
            f"query heads, but model.num_heads / mesh.tensor = {heads} does not split {n} ways; "
            "choose mesh.sequence dividing it, or mesh.context_parallel=ring.")
     kv = c.model.kv_heads // tensor
@@ -418,6 +436,7 @@ def _check_context_parallel(c: Config, n: int, tensor: int) -> None:
         group = c.model.num_heads // c.model.kv_heads  # its query heads read (per_device.py)
         kv = 1 if group % heads == 0 else heads
     _check(kv % n == 0 or n % kv == 0,
-           f"mesh.context_parallel=all_to_all needs the {kv} kv head(s) of a tensor rank to "
-           f"split over mesh.sequence={n} or to be repeated up to it (one divides the other); "
+           f"mesh.context_parallel={mode} needs the {kv} kv head(s) of a tensor rank to split "
+           f"over the {n} devices of an all-to-all or to be repeated up to them (one divides the "
+           "other); "
            "choose mesh.sequence accordingly, or mesh.context_parallel=ring.")

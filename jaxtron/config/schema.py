@@ -27,7 +27,7 @@ ATTENTION_IMPLS = ("auto", "xla", "cudnn", "pallas")
 MODEL_TYPES = ("llama", "gpt2")
 ATTENTIONS = ("mha", "mla")
 PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1", "zbv")
-CONTEXT_PARALLEL = ("ring", "all_to_all")
+CONTEXT_PARALLEL = ("ring", "all_to_all", "hybrid")
 
 
 @dataclass(frozen=True)
@@ -193,9 +193,13 @@ class MeshConfig:
     sequence: int = _f(1, "context-parallel degree (mesh.context_parallel says how)")
     context_parallel: str = _f("ring", "how attention meets a sequence split over "
                                "mesh.sequence: ring (k/v blocks passed round, zig-zag "
-                               "balanced) or all_to_all (DeepSpeed-Ulysses: the sequence split "
-                               "swapped for a head split around the attention kernel)",
-                               CONTEXT_PARALLEL)
+                               "balanced), all_to_all (DeepSpeed-Ulysses: the sequence split "
+                               "swapped for a head split around the attention kernel) or "
+                               "hybrid (all-to-all within groups of mesh.all_to_all_group, "
+                               "rings across them)", CONTEXT_PARALLEL)
+    all_to_all_group: int = _f(1, "with mesh.context_parallel=hybrid: consecutive devices of "
+                               "mesh.sequence that exchange heads by all-to-all (keep them on "
+                               "one node); the rings run across the groups")
     expert: int = _f(1, "expert-parallel degree")
     stage: int = _f(1, "pipeline-parallel degree")
     sequence_parallel: bool = _f(False, "Megatron sequence parallelism on the tensor axis")

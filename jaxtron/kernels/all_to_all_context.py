@@ -38,16 +38,25 @@ from jaxtron.sharding.rules import manual_axes, shard_map_mesh
 AXIS = "sequence"
 
 
-def all_to_all_attention(attend, q, k, v, segment_ids, *, mesh: Mesh):
+def all_to_all_attention(attend, q, k, v, segment_ids, *, mesh: Mesh, group: int | None = None):
     """attend(q, k, v, segment_ids) -> out: the per-device kernel, on whole sequences of a
     share of the heads. q_BxLxHxK, k/v_BxLxGxK sequence-split over `mesh`'s `sequence` axis
-    in natural order; segment_ids_BxL (or None) alike."""
+    in natural order; segment_ids_BxL (or None) alike.
+
+    `group` (hybrid): the exchange runs within groups of that many consecutive ranks, which
+    then hold a contiguous 1/(n/group) of the sequence for 1/group of the heads each; `attend`
+    runs inside the region where `sequence` is manual and passes that share round the rings
+    across the groups (`ring.ring_on_this_device` with `Ring(n / group, stride=group)`)."""
     n = mesh.shape[AXIS]
+    a = group or n
+    groups = None if a == n else [list(range(g * a, (g + 1) * a)) for g in range(n // a)]
+    n = a  # the exchange's own size
     q_spec, kv_spec, own_kv_heads = split_heads(q, k, mesh, seq="seq")
     seg_spec = None if segment_ids is None else PartitionSpec(q_spec[0], q_spec[1])
 
-    def to_heads(x):  # [b, L/n, h, k] -> [b, L, h/n, k]
-        return lax.all_to_all(x, AXIS, split_axis=2, concat_axis=1, tiled=True)
+    def to_heads(x):  # [b, L/n, h, k] -> [b, L, h/n, k] (within a group: L/rings)
+        return lax.all_to_all(x, AXIS, split_axis=2, concat_axis=1, tiled=True,
+                              axis_index_groups=groups)
 
     def local(q, k, v, segment_ids):
         k, v = own_kv_heads(k, v)
@@ -59,9 +68,11 @@ def all_to_all_attention(attend, q, k, v, segment_ids, *, mesh: Mesh):
         if kv_heads % n:  # repeat each kv head so every device receives the one it reads
             k, v = (jnp.repeat(x, n // kv_heads, axis=2) for x in (k, v))
         if segment_ids is not None:
-            segment_ids = lax.all_gather(segment_ids, AXIS, axis=1, tiled=True)
+            segment_ids = lax.all_gather(segment_ids, AXIS, axis=1, tiled=True,
+                                         axis_index_groups=groups)
         out = attend(to_heads(q), to_heads(k), to_heads(v), segment_ids)
-        return lax.all_to_all(out, AXIS, split_axis=1, concat_axis=2, tiled=True)
+        return lax.all_to_all(out, AXIS, split_axis=1, concat_axis=2, tiled=True,
+                              axis_index_groups=groups)
 
     mapped = jax.shard_map(local, mesh=shard_map_mesh(mesh),
                            in_specs=(q_spec, kv_spec, kv_spec, seg_spec), out_specs=q_spec,

@@ -51,9 +51,9 @@ from jaxtron.kernels.context_gather import gathered_context_attention
 from jaxtron.kernels.flash import flash_attention
 from jaxtron.kernels.per_device import per_device
 from jaxtron.kernels.reference import check_window, reference_attention
-from jaxtron.kernels.ring import ring_attention
+from jaxtron.kernels.ring import Ring, ring_attention, ring_on_this_device
 from jaxtron.kernels.splash import splash_attention
-from jaxtron.sharding.context_parallel import ALL_TO_ALL, context_parallel_mode
+from jaxtron.sharding.context_parallel import ALL_TO_ALL, HYBRID, context_parallel_mode
 from jaxtron.sharding.rules import active_mesh, manual_axes
 from jaxtron.sharding.zigzag import zigzag_ring
 
@@ -69,17 +69,26 @@ def attention(q, k, v, *, causal: bool = True, segment_ids=None, impl="auto",
             window = None
     mesh = active_mesh()
     ring = mesh.shape.get("sequence", 1) if mesh is not None else 1
+    mode, group = context_parallel_mode()
     ordered_for = zigzag_ring()  # a train step's sequence already in zig-zag order, for a ring
-    if ordered_for not in (None, ring):
-        raise ValueError(f"the sequence is in zig-zag order for a ring of {ordered_for}, but the "
-                         f"active mesh has sequence={ring}: trace the step on its own mesh.")
-    if ring > 1 and context_parallel_mode() == ALL_TO_ALL:
-        if ordered_for is not None:
-            raise ValueError("all-to-all context parallelism needs the sequence in natural "
-                             "order, but the step put it in a ring's zig-zag order")
+    rings = ring // group if mode == HYBRID else ring
+    if ordered_for not in (None, rings) or (mode == ALL_TO_ALL and ordered_for is not None):
+        raise ValueError(f"the sequence is in zig-zag order for a ring of {ordered_for}, but "
+                         f"the active mesh has sequence={ring} ({mode}): trace the step on its "
+                         "own mesh.")
+    if ring > 1 and mode == ALL_TO_ALL:
         attend = functools.partial(_on_one_device, causal=causal, impl=impl, window=window,
                                    mesh=None)
         return all_to_all_attention(attend, q, k, v, segment_ids, mesh=mesh)
+    if ring > 1 and mode == HYBRID:
+        if "stage" in manual_axes():
+            raise ConfigError("mesh.context_parallel=hybrid runs rings, which cannot run "
+                              "inside pipeline stages; use all_to_all with mesh.stage > 1.")
+        def attend(q, k, v, segment_ids):
+            return ring_on_this_device(q, k, v, segment_ids, Ring(rings, stride=group), causal,
+                                       window)
+
+        return all_to_all_attention(attend, q, k, v, segment_ids, mesh=mesh, group=group)
     if ring > 1:
         # Inside a pipeline stage (`stage` manual) the ring's collective-permutes would
         # deadlock XLA:CPU's conditional ticks: gather k/v instead (context_gather.py).

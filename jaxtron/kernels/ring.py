@@ -50,6 +50,7 @@ targets and positions in zig-zag order once (`jaxtron.sharding.zigzag`); attenti
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -187,6 +188,25 @@ def _grads(acc, q, k, v, d_out, lse, delta, causal: bool, segments=None, band=No
 
 
 # --- the ring ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Ring:
+    """The ring's members on the `sequence` axis: n of them, `stride` ranks apart. A stride
+    above 1 is hybrid context parallelism (`all_to_all_context.py`): consecutive ranks form a
+    group that swapped its sequence split for a head split, and the rings run across groups,
+    rank j of every group with rank j of the next."""
+    n: int
+    stride: int = 1
+
+    def me(self):
+        return lax.axis_index(AXIS) // self.stride
+
+    def next_hop(self) -> list[tuple[int, int]]:
+        return [(g * self.stride + j, (g + 1) % self.n * self.stride + j)
+                for g in range(self.n) for j in range(self.stride)]
+
+
 # Which (local query rows, visiting keys) pairs a step computes. Step 0 (own chunks): chunk i
 # sees itself causally, chunk 2n-1-i sees chunk i whole and itself causally, i.e. the second
 # rows against all keys bottom-right aligned. Later steps: a visitor from an earlier device is
@@ -224,17 +244,16 @@ def _set(x, axis: int, part, y):
     return y if part == ALL else x.at[(slice(None),) * axis + (part,)].set(y)
 
 
-def _ring_steps(n: int, causal: bool, carry, blocks, work, send_with_block=None,
+def _ring_steps(ring: Ring, causal: bool, carry, blocks, work, send_with_block=None,
                 by_chunk: bool = False):
     """Run the ring: at each of the n steps `work(carry, blocks, rows, keys, causal, source)
     -> carry` for every entry of `_schedule` (`source`: the device the visiting blocks came
     from), the blocks (and `send_with_block(carry, send)`, the part of carry that travels with
     them) passed one hop on afterwards. The next blocks are sent before this step's work so the
     transfer can overlap it. `by_chunk`: see `_schedule`."""
-    me = lax.axis_index(AXIS)
+    n, me = ring.n, ring.me()
     c = jax.tree.leaves(blocks)[0].shape[2] // 2
-    ring = [(s, (s + 1) % n) for s in range(n)]
-    send = functools.partial(lax.ppermute, axis_name=AXIS, perm=ring)
+    send = functools.partial(lax.ppermute, axis_name=AXIS, perm=ring.next_hop())
 
     def run(entries, blocks, source):
         def fn(carry):
@@ -271,13 +290,13 @@ def _positions(device, c: int, n: int):
     return jnp.concatenate([device * c + offsets, (2 * n - 1 - device) * c + offsets])
 
 
-def _banded(window, n: int, c: int, rows, keys, source, compute, carry):
+def _banded(window, ring: Ring, c: int, rows, keys, source, compute, carry):
     """compute(carry, band) for one work entry; with a window, skipped (carry returned as it
     is) where no row can see any of the keys, and told the rows' and keys' true positions."""
     if window is None:
         return compute(carry, None)
-    q_pos = _get(_positions(lax.axis_index(AXIS), c, n), 0, rows)
-    k_pos = _get(_positions(source, c, n), 0, keys)
+    q_pos = _get(_positions(ring.me(), c, ring.n), 0, rows)
+    k_pos = _get(_positions(source, c, ring.n), 0, keys)
     band = (q_pos, k_pos, window)
     return lax.cond(k_pos.max() > q_pos.min() - window, lambda x: compute(x, band),
                     lambda x: x, carry)
@@ -291,7 +310,7 @@ def _blocks(k, v, segment_ids_BxL):
     return (k, v, ids[:, None, :]), ids[:, None, None, :]
 
 
-def _forward(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, segment_ids_BxL, n: int, causal: bool,
+def _forward(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, segment_ids_BxL, ring: Ring, causal: bool,
              window: int | None = None):
     """-> (out_BxLxHxK, lse_BxGxRxL) on this device's 2c rows."""
     groups = k_BxSxGxK.shape[2]
@@ -310,16 +329,16 @@ def _forward(q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, segment_ids_BxL, n: int, causal: b
             new = _fold(tuple(_get(x, 3, rows) for x in state), _get(q, 3, rows), k, v, masked,
                         _segments(q_seg, blocks, rows, keys), band)
             return tuple(_set(x, 3, rows, y) for x, y in zip(state, new))
-        return _banded(window, n, c, rows, keys, source, compute, state)
+        return _banded(window, ring, c, rows, keys, source, compute, state)
 
-    o, m, l = _ring_steps(n, causal, state, blocks, work, by_chunk=window is not None)
+    o, m, l = _ring_steps(ring, causal, state, blocks, work, by_chunk=window is not None)
     if q_seg is not None:  # a row no key is visible to (none with causal self-attention): 0
         l = jnp.where(l > 0, l, 1.0)
     out = _heads_last(o / l[..., None]).astype(q_BxLxHxK.dtype)
     return out, m + jnp.log(l)
 
 
-def _backward(n: int, causal: bool, window: int | None, residuals, d_out_BxLxHxK):
+def _backward(ring: Ring, causal: bool, window: int | None, residuals, d_out_BxLxHxK):
     q_BxLxHxK, k_BxSxGxK, v_BxSxGxK, segment_ids_BxL, out_BxLxHxK, lse = residuals
     groups = k_BxSxGxK.shape[2]
     q, d_out, out = (_heads_first(x, groups) for x in (q_BxLxHxK, d_out_BxLxHxK, out_BxLxHxK))
@@ -342,13 +361,13 @@ def _backward(n: int, causal: bool, window: int | None, residuals, d_out_BxLxHxK
                 _segments(q_seg, blocks, rows, keys), band)
             return (_set(dq, 3, rows, dq_rows), _set(dk, 2, keys, dk_keys),
                     _set(dv, 2, keys, dv_keys))
-        return _banded(window, n, c, rows, keys, source, compute, acc)
+        return _banded(window, ring, c, rows, keys, source, compute, acc)
 
     def send_with_block(acc, send):  # dk/dv travel with their block; after step n-1, home
         dq, dk, dv = acc
         return (dq, *send((dk, dv)))
 
-    dq, dk, dv = _ring_steps(n, causal, acc, blocks, work, send_with_block,
+    dq, dk, dv = _ring_steps(ring, causal, acc, blocks, work, send_with_block,
                              by_chunk=window is not None)
     return (_heads_last(dq).astype(q_BxLxHxK.dtype),
             dk.transpose(0, 2, 1, 3).astype(k_BxSxGxK.dtype),
@@ -357,19 +376,19 @@ def _backward(n: int, causal: bool, window: int | None, residuals, d_out_BxLxHxK
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _ring(q, k, v, segment_ids, n: int, causal: bool, window: int | None):
-    """Per-device body: q/k/v (and segment ids, or None) hold this device's two zig-zag
-    chunks (2c positions)."""
-    return _forward(q, k, v, segment_ids, n, causal, window)[0]
+def ring_on_this_device(q, k, v, segment_ids, ring: Ring, causal: bool, window: int | None):
+    """Per-device body, inside a region where `sequence` is manual: q/k/v (and segment ids,
+    or None) hold this ring member's two zig-zag chunks (2c positions)."""
+    return _forward(q, k, v, segment_ids, ring, causal, window)[0]
 
 
-def _ring_fwd(q, k, v, segment_ids, n: int, causal: bool, window: int | None):
-    out, lse = _forward(q, k, v, segment_ids, n, causal, window)
+def _ring_fwd(q, k, v, segment_ids, ring: Ring, causal: bool, window: int | None):
+    out, lse = _forward(q, k, v, segment_ids, ring, causal, window)
     out, lse = checkpoint_name(out, ATTENTION_OUT), checkpoint_name(lse, ATTENTION_LSE)
     return out, (q, k, v, segment_ids, out, lse)
 
 
-_ring.defvjp(_ring_fwd, _backward)
+ring_on_this_device.defvjp(_ring_fwd, _backward)
 
 
 def ring_attention(q, k, v, *, mesh: Mesh, causal: bool = True, zigzag: bool = False,
@@ -387,7 +406,7 @@ def ring_attention(q, k, v, *, mesh: Mesh, causal: bool = True, zigzag: bool = F
     inputs = (q, k, v) if segment_ids is None else (q, k, v, segment_ids)
 
     def local(q, k, v, segment_ids=None):
-        return _ring(q, k, v, segment_ids, n, causal, window)
+        return ring_on_this_device(q, k, v, segment_ids, Ring(n), causal, window)
 
     body = jax.shard_map(local, mesh=shard_map_mesh(mesh), in_specs=(spec,) * len(inputs),
                          out_specs=spec, axis_names={AXIS})

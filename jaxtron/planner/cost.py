@@ -21,7 +21,7 @@ from jaxtron.pipeline.timeline import weighted_idle
 from jaxtron.planner.hardware import Hardware
 from jaxtron.planner.layout import Layout
 from jaxtron.planner.memory import offloaded_bytes, schedule_table
-from jaxtron.planner.traffic import communication
+from jaxtron.planner.traffic import communication, context_parallel_bytes
 from jaxtron.training.flops import hardware_flops_per_token, training_flops_per_token
 
 AXES = ("stage", "data", "fsdp", "expert", "sequence", "tensor")
@@ -90,6 +90,13 @@ def estimate(config: Config, layout: Layout, hardware: Hardware, platform: str =
     seconds = {axis: volume / (hardware.intra_bw if intra_node(layout, axis, hardware.node_size)
                                else hardware.inter_bw)
                for axis, volume in volumes.items()}
+    if layout.context_parallel == "hybrid" and not intra_node(layout, "sequence",
+                                                               hardware.node_size):
+        # the all-to-alls stay inside a node (a group and the tensor ranks below it fit)
+        a2a = context_parallel_bytes(config, layout)[0] * layout.grad_accum  # no pipeline
+        inner = layout.all_to_all_group * layout.tensor <= hardware.node_size
+        seconds["sequence"] -= a2a / hardware.inter_bw
+        seconds["sequence"] += a2a / (hardware.intra_bw if inner else hardware.inter_bw)
     critical = seconds["tensor"] + seconds["sequence"] + seconds["expert"] + seconds["stage"]
     # remat: offload copies to host in the forward and back in the backward, beside the
     # compute like the data-parallel reductions

@@ -80,7 +80,7 @@ def dry_run(config: Config, target: str | None = None) -> dict:
     platform = target or here
     trainer = Trainer(config, platform=platform)  # refuses what the platform cannot run
     m = trainer.config.model
-    mesh = describe_mesh(trainer.mesh, config.mesh.context_parallel)
+    mesh = describe_mesh(trainer.mesh, config.mesh)
     print(f"dry run for {platform} on this {here} machine; mesh: {mesh}; "
           f"axes {dict(trainer.mesh.shape)}")
     print(f"compute {m.dtype} (model.dtype={config.model.dtype}), parameters {m.param_dtype}")

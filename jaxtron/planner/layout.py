@@ -24,7 +24,8 @@ class Layout:
     schedule: str = "1f1b"
     virtual_stages: int = 1
     recompute: bool = True     # pipeline backward runs the stage again (False: stored residuals)
-    context_parallel: str = "ring"  # with sequence > 1: ring or all_to_all
+    context_parallel: str = "ring"  # with sequence > 1: ring, all_to_all or hybrid
+    all_to_all_group: int = 1       # hybrid: ranks of sequence in each all-to-all
 
     @property
     def devices(self) -> int:
@@ -47,6 +48,8 @@ class Layout:
                     "optim.grad_accum": self.grad_accum})
         if self.sequence > 1:
             out["mesh.context_parallel"] = self.context_parallel
+        if self.context_parallel == "hybrid":
+            out["mesh.all_to_all_group"] = self.all_to_all_group
         if self.stage > 1:
             out.update({"pipeline.microbatches": self.microbatches,
                         "pipeline.schedule": self.schedule,
@@ -57,7 +60,8 @@ class Layout:
     def describe(self) -> str:
         parts = [f"{k}={v}" for k, v in self.degrees().items() if v > 1] or ["1 device"]
         if self.sequence > 1 and self.context_parallel != "ring":
-            parts.append("a2a")
+            parts.append("a2a" if self.context_parallel == "all_to_all"
+                         else f"hybrid a2a={self.all_to_all_group}")
         if self.sequence_parallel:
             parts.append("sp")
         if self.zero_stage:
@@ -79,7 +83,8 @@ def layout_of(config: Config, degrees: dict[str, int]) -> Layout:
                   microbatches=c.pipeline.microbatches, grad_accum=c.optim.grad_accum,
                   schedule=c.pipeline.schedule, virtual_stages=c.pipeline.virtual_stages,
                   recompute=c.pipeline.recompute,
-                  context_parallel=c.mesh.context_parallel if degrees["sequence"] > 1 else "ring")
+                  context_parallel=c.mesh.context_parallel if degrees["sequence"] > 1 else "ring",
+                  all_to_all_group=c.mesh.all_to_all_group)
 
 
 def apply(config: Config, layout: Layout) -> Config:

@@ -211,9 +211,10 @@ def layer_activation_bytes(config: Config, layout: Layout, tokens: int, policy: 
     r = t if layout.sequence_parallel else 1
     kv_split = t if m.kv_heads % t == 0 else 1
     hk, gk = m.num_heads * m.resolved_head_dim, m.kv_heads * m.resolved_head_dim
-    if layout.sequence > 1 and layout.context_parallel == "all_to_all":
+    if layout.sequence > 1 and layout.context_parallel != "ring":
         # the kernel keeps k and v at the heads exchanged: repeated up to n when fewer
-        gk = max(a2a_kv_heads(config, layout), layout.sequence) * m.resolved_head_dim * kv_split
+        n = layout.sequence if layout.context_parallel == "all_to_all" else layout.all_to_all_group
+        gk = max(a2a_kv_heads(config, layout), n) * m.resolved_head_dim * kv_split
     if policy == "full":
         return e * tokens * m.d_model / r
     if policy == "offload":  # kept in host memory (`offloaded_bytes`), none on the device

@@ -52,6 +52,7 @@ def _meshes(config: Config, devices: int, node_size: int):
             rest = devices // tensor // stage
             for sequence in divisors(rest):
                 for mode in _context_modes(config, sequence, stage):
+                    mode, group = mode if isinstance(mode, tuple) else (mode, 1)
                     for expert in divisors(rest // sequence):
                         if expert > 1 and (not config.moe.enabled
                                            or config.moe.num_experts % expert):
@@ -62,19 +63,22 @@ def _meshes(config: Config, devices: int, node_size: int):
                             data = rest // sequence // expert // fsdp
                             yield Layout(data=data, fsdp=fsdp, tensor=tensor,
                                          sequence=sequence, expert=expert, stage=stage,
-                                         context_parallel=mode)
+                                         context_parallel=mode, all_to_all_group=group)
 
 
-def _context_modes(config: Config, sequence: int, stage: int) -> tuple[str, ...]:
-    """Forms of context parallelism worth trying over `sequence` devices: none below 4k
-    tokens. Inside pipeline stages the ring gathers k/v instead (`context_gather.py`), whose
-    memory and traffic the predictions do not model; all-to-all runs there as it is."""
+def _context_modes(config: Config, sequence: int, stage: int) -> tuple:
+    """Forms of context parallelism worth trying over `sequence` devices (hybrid as
+    ("hybrid", group) for every group dividing it): none below 4k tokens. Inside pipeline
+    stages the ring gathers k/v instead (`context_gather.py`), whose memory and traffic the
+    predictions do not model, and hybrid is refused; all-to-all runs there as it is."""
     if sequence == 1:
         return ("ring",)
     if config.data.seq_len < 4096 or config.moe.enabled:
         return ()
     ring = stage == 1 and config.data.seq_len % (2 * sequence) == 0
-    return ("ring",) * ring + ("all_to_all",)
+    return ("ring",) * ring + ("all_to_all",) + tuple(
+        ("hybrid", g) for g in divisors(sequence)
+        if 1 < g < sequence and stage == 1 and config.data.seq_len % (2 * sequence // g) == 0)
 
 
 def _accumulations(sequences: int) -> list[int]:

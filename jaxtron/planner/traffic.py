@@ -92,33 +92,50 @@ def communication(config: Config, layout: Layout, platform: str = "gpu") -> dict
 
 
 def _sequence(config: Config, layout: Layout) -> float:
-    """Per pass: ring attention (`kernels/ring.py`) sends the k/v block on n-1 hops forward and
-    again in the backward, with the fp32 dk/dv accumulators travelling n hops (also under
-    `remat: full`: the recomputed block takes the ring's saved output and log-sum-exp, as
-    the counter shows). All-to-all (`kernels/all_to_all_context.py`): see `_all_to_all`."""
-    n = layout.sequence
+    """Per pass, what context parallelism sends: `context_parallel_bytes`."""
+    return sum(context_parallel_bytes(config, layout))
+
+
+def context_parallel_bytes(config: Config, layout: Layout) -> tuple[float, float]:
+    """(all-to-all bytes, ring bytes) per pass over `sequence`. Ring attention
+    (`kernels/ring.py`) sends the k/v block on n-1 hops forward and again in the backward,
+    with the fp32 dk/dv accumulators travelling n hops (also under `remat: full`: the
+    recomputed block takes the ring's saved output and log-sum-exp, as the counter shows).
+    All-to-all (`kernels/all_to_all_context.py`): see `_all_to_all`. Hybrid: all-to-all
+    within groups of g, then rings of n / g over each group's share (g times the tokens,
+    max(G', g) / g of the kv heads)."""
+    n, g = layout.sequence, layout.all_to_all_group
     if n == 1:
-        return 0.0
+        return 0.0, 0.0
     if layout.context_parallel == "all_to_all":
-        return _all_to_all(config, layout)
+        return _all_to_all(config, layout, n), 0.0
+    if layout.context_parallel == "hybrid":
+        heads = max(a2a_kv_heads(config, layout), g) / g
+        return _all_to_all(config, layout, g), _ring_attention(config, layout, n // g, g, heads)
+    m, t = config.model, layout.tensor
+    return 0.0, _ring_attention(config, layout, n, 1, m.kv_heads // t if m.kv_heads % t == 0
+                                else m.kv_heads)
+
+
+def _ring_attention(config: Config, layout: Layout, n: int, tokens_factor: int,
+                    kv_heads: float) -> float:
     m = config.model
     e = np.dtype(m.compute_dtype).itemsize
-    tokens = microbatch_tokens(config, layout)
+    tokens = microbatch_tokens(config, layout) * tokens_factor
     layers = math.ceil(m.num_layers / layout.stage)
-    heads = m.kv_heads // layout.tensor if m.kv_heads % layout.tensor == 0 else m.kv_heads
-    kv = 2 * tokens * heads * m.resolved_head_dim  # k and v elements of this device's block
+    kv = 2 * tokens * kv_heads * m.resolved_head_dim  # k and v elements of this member's block
     forward = (n - 1) * e * kv
     backward = (n - 1) * e * kv + n * 4 * kv
     return (forward + backward) * layers
 
 
-def _all_to_all(config: Config, layout: Layout) -> float:
+def _all_to_all(config: Config, layout: Layout, n: int) -> float:
     """Per pass and layer: q, k, v and the output each cross the axis once forward, (n-1)/n of
     this device's share, and their gradients once backward; any remat policy runs the
     forward's again (`save_dots` keeps the projections, not what the exchange made of them).
     k and v go at max(G', n) heads (G' = the kv heads a tensor rank reads: repeated up to n
     when fewer). Packed documents add the int32 segment ids, all-gathered per layer."""
-    n, m = layout.sequence, config.model
+    m = config.model
     e = np.dtype(m.compute_dtype).itemsize
     tokens = microbatch_tokens(config, layout)
     layers = math.ceil(m.num_layers / layout.stage)

@@ -38,7 +38,8 @@ MATRIX = (Layout(data=8), Layout(fsdp=8), Layout(data=2, tensor=4),
           Layout(data=8, grad_accum=2), Layout(data=2, sequence=4),
           Layout(data=4, fsdp=2, zero_stage=2, grad_accum=2),
           Layout(data=2, sequence=4, context_parallel="all_to_all"),
-          Layout(data=2, sequence=2, tensor=2, context_parallel="all_to_all"))
+          Layout(data=2, sequence=2, tensor=2, context_parallel="all_to_all"),
+          Layout(data=2, sequence=4, context_parallel="hybrid", all_to_all_group=2))
 # Layouts whose communication the planner predicts within 10% on this backend.
 TRAFFIC_MATRIX = (Layout(data=8), Layout(fsdp=8), Layout(data=2, tensor=4),
                   Layout(data=4, tensor=2, zero_stage=1), Layout(data=8, remat="full"),
@@ -58,6 +59,8 @@ TRAFFIC_MATRIX = (Layout(data=8), Layout(fsdp=8), Layout(data=2, tensor=4),
                   Layout(data=2, sequence=4, context_parallel="all_to_all"),
                   Layout(data=2, sequence=4, remat="save_dots", context_parallel="all_to_all"),
                   Layout(data=2, sequence=2, tensor=2, context_parallel="all_to_all"),
+                  Layout(data=2, sequence=4, context_parallel="hybrid", all_to_all_group=2),
+                  Layout(sequence=8, remat="full", context_parallel="hybrid", all_to_all_group=4),
                   Layout(data=4, stage=2, microbatches=4), Layout(data=2, stage=4, microbatches=4),
                   Layout(data=4, stage=2, microbatches=4, schedule="interleaved",
                          virtual_stages=2),

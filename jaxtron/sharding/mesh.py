@@ -72,10 +72,12 @@ def build_mesh(mesh: MeshConfig, devices=None) -> Mesh:
     return Mesh(grid, MESH_AXES, axis_types=axis_types)
 
 
-def describe_mesh(mesh: Mesh, context_parallel: str = "ring") -> str:
+def describe_mesh(mesh: Mesh, settings: MeshConfig | None = None) -> str:
     """"8 devices (data=2, sequence=4 all_to_all)": the degrees, and how the sequence is split
-    when it is not a ring."""
-    parts = [f"{name}={size}" + (f" {context_parallel}" if name == "sequence"
-                                 and context_parallel != "ring" else "")
+    when it is not a ring (hybrid with its all-to-all group)."""
+    mode = settings.context_parallel if settings else "ring"
+    how = {"ring": "", "all_to_all": " all_to_all",
+           "hybrid": f" hybrid all_to_all_group={settings and settings.all_to_all_group}"}[mode]
+    parts = [f"{name}={size}" + (how if name == "sequence" else "")
              for name, size in mesh.shape.items() if size > 1]
     return f"{mesh.devices.size} devices ({', '.join(parts) or 'single device'})"

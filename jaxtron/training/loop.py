@@ -111,7 +111,7 @@ class Run:
                   Reporter(log, start, flops, tokens_per_step, peak),
                   StepProfiler(run_dir, c.train.profile_steps, enabled=is_main), is_main)
         run.say(f"jaxtron: {c.model.type} model, {_parameter_count(state):,} parameters, "
-                f"{describe_mesh(trainer.mesh, c.mesh.context_parallel)}, "
+                f"{describe_mesh(trainer.mesh, c.mesh)}, "
                 f"compute {trainer.config.model.dtype}, "
                 f"{describe_sources(sources)}; peak {peak / 1e9:,.1f} GFLOP/s ({peak_source})")
         if loaded:

@@ -29,7 +29,7 @@ from jaxtron.kernels import fp8
 from jaxtron.kernels.choice import configured_kernel, cudnn_present
 from jaxtron.models.transformer import Transformer
 from jaxtron.runtime.cpu_matmuls import compiler_options, keep_until_exit
-from jaxtron.sharding.context_parallel import RING, context_parallel
+from jaxtron.sharding.context_parallel import context_parallel, ring_size
 from jaxtron.sharding.mesh import build_mesh
 from jaxtron.sharding.rules import (
     activation_rules,
@@ -72,8 +72,9 @@ class Trainer:
         self.graphdef, _ = nnx.split(abstract_model)
         self.stages = (StagedModel(config, self.mesh) if config.mesh.stage > 1
                        else None)
-        ring = self.mesh.shape["sequence"] if config.mesh.context_parallel == RING else 1
-        self.loss_fn = make_loss_fn(self.graphdef, ring)
+        self.loss_fn = make_loss_fn(self.graphdef, ring_size(
+            config.mesh.context_parallel, self.mesh.shape["sequence"],
+            config.mesh.all_to_all_group))
 
         self._abstract = abstract = jax.eval_shape(self._init)  # traced once, reused below
         replicated = NamedSharding(self.mesh, PartitionSpec())
@@ -150,7 +151,9 @@ class Trainer:
     @contextlib.contextmanager
     def _tracing(self):
         with (activation_sharding(self.mesh, self.activation_rules),
-              building_for(self.platform), context_parallel(self.config.mesh.context_parallel)):
+              building_for(self.platform),
+              context_parallel(self.config.mesh.context_parallel,
+                               self.config.mesh.all_to_all_group)):
             yield
 
     def compile_step(self, state: TrainState, batch: dict, compiler_options=None):
