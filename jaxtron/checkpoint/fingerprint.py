@@ -33,6 +33,8 @@ def _bits(x) -> jax.Array:
 
 
 def _fingerprint(x) -> jax.Array:
+    if x.aval.memory_space == jax.memory.Space.Host:  # `optim.host_moments`: read on the device
+        x = jax.device_put(x, jax.memory.Space.Device)
     bits = _bits(x)
     index = jnp.zeros(bits.shape, jnp.uint32)
     stride = 1

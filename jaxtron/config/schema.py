@@ -275,6 +275,9 @@ class OptimConfig:
     grad_accum: int = _f(1, "microbatches accumulated into one optimizer step")
     zero_stage: int = _f(0, "ZeRO over mesh.data: 1 shards optimizer state, 2 also gradients",
                          (0, 1, 2))
+    host_moments: bool = _f(False, "keep the optimizer state in pinned host memory between "
+                            "steps: it comes to the device for the update and goes back "
+                            "(frees its device memory for a host transfer each step)")
     moment_dtype: str = _f("float32", "dtype the Adam moments are stored in between steps "
                            "(bfloat16 halves them, as DeepSeek-V3; updates are computed in "
                            "float32)", ("float32", "bfloat16"))

@@ -358,6 +358,10 @@ def predict(config: Config, layout: Layout) -> Memory:
     vocab = m.vocab_size / layout.tensor
     loss_tokens = (min(tokens, m.loss_chunk_tokens) if m.cross_entropy == "chunked" else tokens)
     logits = 2 * 4 * loss_tokens * vocab
+    if config.optim.host_moments:
+        # In host memory between steps; on the device only for the update, when the
+        # activations and logits are gone: only what exceeds them raises the peak.
+        moments = max(0, moments - int(activations) - int(logits))
     return Memory(params, moments, grads, int(activations), int(logits))
 
 

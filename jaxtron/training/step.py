@@ -78,26 +78,33 @@ def accumulated_grads(grad_fn: GradFn, microbatches: int) -> GradFn:
 
 
 def make_train_step(tx: optax.GradientTransformation, schedule: optax.Schedule,
-                    grad_fn: GradFn, router_bias_rate: float = 0.0):
+                    grad_fn: GradFn, router_bias_rate: float = 0.0, host_moments: bool = False):
     """`router_bias_rate` > 0: the MoE layers' routing biases move by the step's expert loads
-    (`models.moe.update_router_bias`, auxiliary-loss-free balancing) after the update."""
+    (`models.moe.update_router_bias`, auxiliary-loss-free balancing) after the update.
+    `host_moments`: the optimizer state lives in pinned host memory (`optim.host_moments`);
+    it is brought to the device for the update and sent back."""
     def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
         (_, metrics), grads = grad_fn(state.params, batch)
         grads, observed_amaxes = fp8.split_observed_amaxes(grads)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        before = state.opt_state
+        if host_moments:
+            before = jax.device_put(before, jax.memory.Space.Device)
+        updates, opt_state = tx.update(grads, before, state.params)
         params = optax.apply_updates(state.params, updates)
         params = fp8.record_amaxes(params, observed_amaxes)
         metrics = dict(metrics)
         load = metrics.pop("moe_load", None)
         if router_bias_rate > 0:
             params = update_router_bias(params, load, router_bias_rate)
-        skipped_before = optax.tree_utils.tree_get(state.opt_state, "total_notfinite")
+        skipped_before = optax.tree_utils.tree_get(before, "total_notfinite")
         skipped = optax.tree_utils.tree_get(opt_state, "total_notfinite")
         # The rate this update applied: the schedule advances only with applied updates
         # (optax.apply_if_finite leaves the inner state alone), and a skipped one applied none.
         lr = jnp.where(skipped > skipped_before, 0.0, schedule(state.step - skipped_before))
         metrics = {**metrics, "grad_norm": optax.tree.norm(grads), "lr": lr,
                    "skipped_updates": skipped}
+        if host_moments:
+            opt_state = jax.device_put(opt_state, jax.memory.Space.Host)
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     return train_step

@@ -85,7 +85,7 @@ class Trainer:
         self.compiler_options = options = compiler_options(self.mesh.devices)
         self._step = jax.jit(make_train_step(self.tx, self.schedule, grad_fn,
                                              config.moe.bias_update_rate if config.moe.enabled
-                                             else 0.0),
+                                             else 0.0, config.optim.host_moments),
                              in_shardings=(self.state_shardings, self.batch_sharding),
                              out_shardings=(self.state_shardings, replicated),
                              donate_argnums=0, compiler_options=options)
@@ -125,12 +125,17 @@ class Trainer:
         return step_grads
 
     def _shardings(self, abstract: TrainState) -> TrainState:
-        """Parameters by the parameter rules, optimizer state by the (ZeRO) optimizer rules."""
+        """Parameters by the parameter rules, optimizer state by the (ZeRO) optimizer rules,
+        in pinned host memory with `optim.host_moments`."""
+        opt_state = variable_shardings(abstract.opt_state, optimizer_rules(self.config),
+                                       self.mesh)
+        if self.config.optim.host_moments:
+            opt_state = jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), opt_state,
+                                     is_leaf=lambda x: isinstance(x, NamedSharding))
         return TrainState(
             step=NamedSharding(self.mesh, PartitionSpec()),
             params=variable_shardings(abstract.params, self.param_rules, self.mesh),
-            opt_state=variable_shardings(abstract.opt_state, optimizer_rules(self.config),
-                                         self.mesh))
+            opt_state=opt_state)
 
     def _new_model(self) -> Transformer:
         return Transformer(self.config.model, rngs=nnx.Rngs(self.config.train.seed),
