@@ -251,7 +251,7 @@ def main(argv=None) -> int:
     parser.add_argument("--compare-schedules", metavar="S1,S2,...",
                         help="time a pipelined config once per pipeline schedule")
     parser.add_argument("--json", action="store_true", help="last line: one JSON object")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     keep_freed_host_memory()  # before JAX starts its threads
     config = load_config(args.config, args.overrides)
     report = run(config, args.warmup, args.steps, args.repeats, not args.no_reference)

@@ -29,7 +29,8 @@ from jaxtron.planner.memory import memory_budget_bytes
 from jaxtron.planner.search import plan
 
 # Every config key a layout sets names the Layout field of the same name (mesh.tensor -> tensor).
-LAYOUT_KEYS = {key: key.split(".")[1] for key in Layout(stage=2).overrides()}
+LAYOUT_KEYS = {key: key.split(".")[1] for key in Layout(
+    stage=2, sequence=2, context_parallel="hybrid").overrides()}
 
 
 def parse_layout(text: str, devices: int) -> dict:
@@ -104,7 +105,7 @@ def main(argv=None) -> int:
     parser.add_argument("--apply", help="write the best layout into this config file")
     parser.add_argument("--compare", help="a given layout to rank, e.g. 'mesh.tensor=8 "
                         "mesh.stage=16 pipeline.microbatches=128'")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     config = load_config(args.config, args.overrides)
     _check_flags(args)
     hardware = HARDWARE[args.hardware]

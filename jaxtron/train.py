@@ -55,7 +55,7 @@ def _parser() -> argparse.ArgumentParser:
 
 @exits_on_user_error
 def main(argv=None) -> int:
-    args = _parser().parse_args(argv)
+    args = _parser().parse_intermixed_args(argv)
     keep_freed_host_memory()  # before JAX starts its threads
     config = load_config(args.config, args.overrides)
     if args.print_config:

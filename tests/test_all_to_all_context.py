@@ -7,6 +7,8 @@ backward). `python -m jaxtron.planner.validate` rows (tests/test_planner.py) che
 planner's bytes and memory for both."""
 
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -188,3 +190,17 @@ def test_lowers_for_gpus_and_tpus_with_their_kernels(platform):
 def test_layouts_it_cannot_split_are_refused_at_load_with_the_fix(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         make_config({"mesh.data": -1, "mesh.context_parallel": "all_to_all", **overrides})
+
+
+def test_the_long_context_table_names_the_fastest_layout_of_each_form():
+    """`scripts/long_context_table.py` (docs/long-context.md) on a cheap cell: one row with the
+    best layout without context parallelism and of each form."""
+    result = subprocess.run([sys.executable, "scripts/long_context_table.py", "--lengths",
+                             "65536", "--devices", "8", "--config", "configs/tiny.yaml"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    row = result.stdout.strip().splitlines()[-1]
+    assert row.startswith("| 64K | 8 |"), row
+    cells = row.strip("|").split("|")[2:]
+    assert len(cells) == 4 and "sequence" not in cells[0], cells
+    assert "a2a" not in cells[1] and " a2a " in cells[2] and "hybrid a2a=" in cells[3], cells

@@ -24,3 +24,12 @@ def test_help_prints_usage_and_exits_0(module):
         importlib.import_module(module).main(["--help"])
     assert done.value.code in (0, None)
     assert f"python -m {module}" in out.getvalue() or "usage:" in out.getvalue()
+
+
+def test_overrides_may_come_before_and_after_a_flag(capsys):
+    """`train --config X a=1 --print-config b=2`: every override is read, wherever it sits."""
+    from jaxtron import train
+    assert train.main(["--config", "configs/tiny.yaml", "model.num_layers=1", "--print-config",
+                       "train.steps=7"]) in (0, None)
+    printed = capsys.readouterr().out
+    assert "num_layers: 1" in printed and "steps: 7" in printed

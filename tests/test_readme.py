@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 import jax
+import pytest
 
 from conftest import FAST_COMPILE_FLAGS
 
@@ -36,9 +37,9 @@ TINY = {"jaxtron.train": ["train.steps=3", "train.log_every=1", "train.eval_batc
         "jaxtron.data.throughput": ["--batches", "5", "data.builtin_max_bytes=400000"]}
 
 
-def readme_commands() -> list[tuple[str, str | None]]:
-    """(command line, why it is not run or None), in README order."""
-    text = (ROOT / "README.md").read_text()
+def readme_commands(page: str = "README.md") -> list[tuple[str, str | None]]:
+    """(command line, why it is not run or None), in the page's order."""
+    text = (ROOT / page).read_text()
     commands = []
     for match in re.finditer(r"```bash\n(.*?)```", text, re.S):
         before = text[:match.start()].rstrip().rsplit("\n\n", 1)[-1]
@@ -102,11 +103,11 @@ def run(line: str, env: dict, cwd: Path) -> tuple[int, str, str]:
     return result.returncode, result.stdout, result.stderr
 
 
-def test_every_readme_command_runs_in_order(tmp_path):
+def run_in_order(commands, tmp_path: Path) -> list[str]:
+    """Run every command not marked otherwise in a scratch folder: -> the lines run."""
     for name in ("configs", "examples", "jaxtron", "scripts"):
         (tmp_path / name).symlink_to(ROOT / name)
-    commands = readme_commands()
-    # A user's shell: no device count unless the README sets one (the tests' faster compile
+    # A user's shell: no device count unless the page sets one (the tests' faster compile
     # flags are kept on top).
     shell = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     ran = []
@@ -121,6 +122,12 @@ def test_every_readme_command_runs_in_order(tmp_path):
         assert status == 0, f"{line}\n{stdout[-2000:]}\n{stderr[-3000:]}"
         assert "Traceback" not in stderr, f"{line}\n{stderr[-3000:]}"
         ran.append(line)
+    return ran
+
+
+def test_every_readme_command_runs_in_order(tmp_path):
+    commands = readme_commands()
+    ran = run_in_order(commands, tmp_path)
     # The walkthrough's products exist where the README says.
     assert (tmp_path / "exports" / "tiny-hf" / "config.json").is_file()
     assert (tmp_path / "runs" / "finetune" / "metrics.jsonl").is_file()
@@ -128,3 +135,8 @@ def test_every_readme_command_runs_in_order(tmp_path):
     skipped = {line: why for line, why in commands if why}
     assert all("GPU" in why or "cluster" in why for line, why in skipped.items()
                if line not in NOT_RUN), skipped
+
+
+@pytest.mark.parametrize("page", ["docs/long-context.md"])
+def test_every_command_of_a_docs_page_runs_in_order(page, tmp_path):
+    assert run_in_order(readme_commands(page), tmp_path)
