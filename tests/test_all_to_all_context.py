@@ -1,7 +1,7 @@
 """All-to-all context parallelism (`mesh.context_parallel=all_to_all`, DeepSpeed-Ulysses) and
 hybrid (all-to-all within groups, rings across them): the numbers of one device with
-grouped-query attention, packed documents and windows, under data x fsdp x tensor and (all-to-
-all) inside pipeline stages; lowerings for GPUs and TPUs; and the bytes the compiled step sends
+grouped-query attention, packed documents and windows, under data x fsdp x tensor and inside
+pipeline stages; lowerings for GPUs and TPUs; and the bytes the compiled step sends
 over `sequence` against the formula (four all-to-alls per attention forward, their transposes
 backward). `python -m jaxtron.planner.validate` rows (tests/test_planner.py) check the
 planner's bytes and memory for both."""
@@ -113,6 +113,11 @@ LAYOUTS = {
         {"mesh.data": 1, "mesh.sequence": 8, "mesh.context_parallel": "hybrid",
          "mesh.all_to_all_group": 4}, {"sliding_window": 12},
         {"data": {"packing": "documents"}}),
+    # inside pipeline stages the rings' hops become one all-gather across the groups
+    "hybrid_stage2_sequence4_group2_packed": (
+        {"mesh.stage": 2, "mesh.data": 1, "mesh.sequence": 4, "mesh.context_parallel": "hybrid",
+         "mesh.all_to_all_group": 2}, {"sliding_window": 12},
+        {"data": {"packing": "documents"}, "pipeline": {"microbatches": 2}}),
     "hybrid_tensor2_sequence4_group2_one_kv_head": (
         {"mesh.data": 1, "mesh.tensor": 2, "mesh.sequence": 4, "mesh.context_parallel": "hybrid",
          "mesh.all_to_all_group": 2}, {"num_kv_heads": 1}, {}),
@@ -183,9 +188,6 @@ def test_lowers_for_gpus_and_tpus_with_their_kernels(platform):
      "mesh.all_to_all_group=2 is only read with mesh.context_parallel=hybrid"),
     ({"mesh.sequence": 2, "mesh.stage": 2, "mesh.context_parallel": "hybrid",
       "mesh.all_to_all_group": 2, "pipeline.microbatches": 2}, "above 1, below"),
-    ({"mesh.sequence": 4, "mesh.stage": 2, "mesh.context_parallel": "hybrid",
-      "mesh.all_to_all_group": 2, "pipeline.microbatches": 2},
-     "hybrid runs rings, which cannot run inside pipeline stages"),
 ])
 def test_layouts_it_cannot_split_are_refused_at_load_with_the_fix(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):

@@ -411,9 +411,6 @@ def _check_context_parallel(c: Config, n: int, tensor: int) -> None:
                f"mesh.context_parallel=hybrid needs mesh.all_to_all_group={g} above 1, below "
                f"mesh.sequence={n} and dividing it (the all-to-all inside each group, rings of "
                "mesh.sequence / group across them); or use ring or all_to_all.")
-        _check(c.mesh.stage == 1,
-               "mesh.context_parallel=hybrid runs rings, which cannot run inside pipeline "
-               "stages; use mesh.context_parallel=all_to_all with mesh.stage > 1.")
         rings = n // g
         _check(c.data.seq_len % (2 * rings) == 0 and c.data.seq_len % n == 0,
                f"data.seq_len={c.data.seq_len} must be a multiple of mesh.sequence={n} and of "

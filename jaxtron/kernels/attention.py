@@ -47,7 +47,7 @@ from jaxtron.errors import ConfigError
 from jaxtron.kernels.all_to_all_context import all_to_all_attention
 from jaxtron.kernels.blockwise import blockwise_causal_attention
 from jaxtron.kernels.choice import AttentionImpl, Kernel, choose, cudnn_present
-from jaxtron.kernels.context_gather import gathered_context_attention
+from jaxtron.kernels.context_gather import gathered_across_groups, gathered_context_attention
 from jaxtron.kernels.flash import flash_attention
 from jaxtron.kernels.per_device import per_device
 from jaxtron.kernels.reference import check_window, reference_attention
@@ -81,10 +81,12 @@ def attention(q, k, v, *, causal: bool = True, segment_ids=None, impl="auto",
                                    mesh=None)
         return all_to_all_attention(attend, q, k, v, segment_ids, mesh=mesh)
     if ring > 1 and mode == HYBRID:
-        if "stage" in manual_axes():
-            raise ConfigError("mesh.context_parallel=hybrid runs rings, which cannot run "
-                              "inside pipeline stages; use all_to_all with mesh.stage > 1.")
+        in_stage = "stage" in manual_axes()  # no ring there: gather across groups instead
+
         def attend(q, k, v, segment_ids):
+            if in_stage:
+                return gathered_across_groups(q, k, v, segment_ids, rings=rings, stride=group,
+                                              causal=causal, window=window)
             return ring_on_this_device(q, k, v, segment_ids, Ring(rings, stride=group), causal,
                                        window)
 

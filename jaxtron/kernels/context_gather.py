@@ -59,15 +59,39 @@ def gathered_context_attention(q, k, v, *, mesh: Mesh, causal: bool = True,
     spec = PartitionSpec(None, AXIS)
 
     def local(q, k, v, segments, positions):
-        gather = lambda x: jax.lax.all_gather(x, AXIS, axis=1, tiled=True)  # noqa: E731
-        k_all, v_all, segments_all = gather(k), gather(v), gather(segments)
-        positions_all = jax.lax.all_gather(positions, AXIS, axis=0, tiled=True)
-        visible = segments[:, :, None] == segments_all[:, None, :]
-        if causal:
-            visible = visible & visible_keys(positions, positions_all, window)[None]
-        return _attend(q, k_all, v_all, visible)
+        return _gather_and_attend(q, k, v, segments, positions, causal, window)
 
     mapped = jax.shard_map(local, mesh=shard_map_mesh(mesh),
                            in_specs=(spec, spec, spec, spec, PartitionSpec(AXIS)),
                            out_specs=spec, axis_names={AXIS}, check_vma=False)
     return mapped(q, k, v, segments, positions_L)
+
+
+def _gather_and_attend(q, k, v, segments, positions, causal: bool, window, groups=None):
+    """This device's queries against the keys and values of every rank of its `groups` (all
+    of `sequence` when None), masked by segments and true positions."""
+    def gather(x, axis=1):
+        return jax.lax.all_gather(x, AXIS, axis=axis, tiled=True, axis_index_groups=groups)
+
+    k_all, v_all, segments_all = gather(k), gather(v), gather(segments)
+    positions_all = gather(positions, axis=0)
+    visible = segments[:, :, None] == segments_all[:, None, :]
+    if causal:
+        visible = visible & visible_keys(positions, positions_all, window)[None]
+    return _attend(q, k_all, v_all, visible)
+
+
+def gathered_across_groups(q, k, v, segment_ids, *, rings: int, stride: int, causal: bool,
+                           window: int | None = None):
+    """Hybrid context parallelism inside pipeline stages, per device in a region where
+    `sequence` is manual: after the all-to-all within its group of `stride` ranks, a device
+    holds the group's contiguous 1/rings of the sequence (natural order) for its heads, and
+    gathers k/v from rank j of every other group, which hold the same heads: what the ring
+    across groups sends, as one all-gather (see the module doc for why)."""
+    length = q.shape[1]
+    group = jax.lax.axis_index(AXIS) // stride
+    positions = (group * length + jnp.arange(length)).astype(jnp.int32)
+    segments = (jnp.zeros(q.shape[:2], jnp.int32) if segment_ids is None
+                else segment_ids.astype(jnp.int32))
+    members = [[g * stride + j for g in range(rings)] for j in range(stride)]
+    return _gather_and_attend(q, k, v, segments, positions, causal, window, members)
