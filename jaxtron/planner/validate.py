@@ -142,7 +142,7 @@ def run(layouts=MATRIX, base=BASE, compiler_options=None) -> list[Row]:
 def main(argv=None) -> int:
     argparse.ArgumentParser(
         prog="python -m jaxtron.planner.validate", description=__doc__.split("\n\n")[0],
-        epilog="Compiles about 40 layouts: about 3 minutes on 2 CPU cores.").parse_args(argv)
+        epilog="Compiles about 60 layouts: about 6 minutes on 2 CPU cores.").parse_args(argv)
     mib = 2**20
     errors = []
     print("memory: per-device arguments + peak temporaries")
