@@ -12,7 +12,7 @@ from jaxtron.planner.cost import bubble_fraction, estimate
 from jaxtron.planner.hardware import HARDWARE
 from jaxtron.planner.layout import Layout, apply
 from jaxtron.planner.memory import memory_budget_bytes, predict, state_bytes
-from jaxtron.planner.search import plan
+from jaxtron.planner.search import _context_modes, candidates, plan
 from jaxtron.planner.traffic import communication
 from jaxtron.sharding.report import shard_bytes
 from jaxtron.training.trainer import Trainer, check_layout
@@ -172,3 +172,25 @@ def test_plan_cli_ranks_and_applies_the_best_layout(tmp_path):
          "--apply", str(out)], capture_output=True, text=True, timeout=300)
     assert again.returncode == 2 and "holds a run; give --apply another file name" in again.stderr
     assert memory_budget_bytes("80GiB") == 80 * 2**30 and memory_budget_bytes("141GB") == 141e9
+
+
+def test_the_search_tries_each_context_parallel_form_where_it_can_run():
+    """Llama 3 8B at 128K (32 heads, 8 kv heads) on 8-device nodes: ring and all-to-all where
+    the heads split; hybrid only where the sequence axis leaves the node and a group with its
+    tensor ranks stays inside; only all-to-all inside pipeline stages; none below 4K tokens;
+    host offload searched for GPUs, never for CPUs."""
+    config = load_config("configs/llama3-8b.yaml", ["data.seq_len=131072",
+                                                     "model.max_seq_len=131072"])
+    assert _context_modes(config, 4, 1, 1, 8) == ("ring", "all_to_all")
+    assert _context_modes(config, 16, 1, 2, 8) == ("ring", "all_to_all", ("hybrid", 2),
+                                                   ("hybrid", 4))
+    assert _context_modes(config, 64, 1, 1, 8) == ("ring", ("hybrid", 2), ("hybrid", 4),
+                                                   ("hybrid", 8))  # 32 heads: no a2a of 64
+    assert _context_modes(config, 4, 2, 1, 8) == ("all_to_all",)
+    short = load_config("configs/llama3-8b.yaml", ["data.seq_len=2048"])
+    assert _context_modes(short, 4, 1, 1, 8) == ()
+    tiny = small_config()
+    remats = {platform: {c.layout.remat for c in candidates(tiny, 8, HARDWARE["h100"], platform)}
+              for platform in ("gpu", "cpu")}
+    assert remats == {"gpu": {"none", "save_dots", "full", "offload"},
+                      "cpu": {"none", "save_dots", "full"}}

@@ -71,9 +71,17 @@ def _table_idle(schedule: str, stages: int, microbatches: int, virtual: int,
 
 
 def intra_node(layout: Layout, axis: str, node_size: int) -> bool:
-    degrees = layout.degrees()
-    inner = math.prod(degrees[a] for a in AXES[AXES.index(axis):])
-    return inner <= node_size
+    return _inner_devices(layout)[axis] <= node_size
+
+
+def _inner_devices(layout: Layout) -> dict[str, int]:
+    """axis -> devices of that axis and every faster one (mesh order), i.e. the span of one
+    of its groups in device order."""
+    degrees, inner, out = layout.degrees(), 1, {}
+    for axis in reversed(AXES):
+        inner *= degrees[axis]
+        out[axis] = inner
+    return out
 
 
 def estimate(config: Config, layout: Layout, hardware: Hardware, platform: str = "gpu") -> Cost:
@@ -87,7 +95,8 @@ def estimate(config: Config, layout: Layout, hardware: Hardware, platform: str =
         compute *= 1 + SAVE_DOTS_OVERHEAD
     bubble, idle = bubble_fraction(layout), idle_fraction(layout)
     volumes = communication(config, layout, platform)
-    seconds = {axis: volume / (hardware.intra_bw if intra_node(layout, axis, hardware.node_size)
+    inner = _inner_devices(layout)
+    seconds = {axis: volume / (hardware.intra_bw if inner[axis] <= hardware.node_size
                                else hardware.inter_bw)
                for axis, volume in volumes.items()}
     if layout.context_parallel == "hybrid" and not intra_node(layout, "sequence",
@@ -115,7 +124,24 @@ def host_seconds(config: Config, layout: Layout, hardware: Hardware) -> float:
     return 2 * offloaded_bytes(config, layout) * layers * passes / hardware.host_bw
 
 
+_DERIVED: dict[tuple, tuple[Config, Config]] = {}
+
+
 def _with_remat(config: Config, layout: Layout) -> Config:
+    """`config` with the layout's remat, stage count and pipeline recompute; the planner asks
+    for a handful of these per search, for a million layouts, so they are kept."""
+    key = (id(config), layout.remat, layout.stage, layout.recompute)
+    kept = _DERIVED.get(key)
+    if kept is not None and kept[0] is config:
+        return kept[1]
+    if len(_DERIVED) > 1024:
+        _DERIVED.clear()
+    derived = _derive(config, layout)
+    _DERIVED[key] = (config, derived)
+    return derived
+
+
+def _derive(config: Config, layout: Layout) -> Config:
     model = dataclasses.replace(config.model, remat=layout.remat)
     mesh = dataclasses.replace(config.mesh, stage=layout.stage)
     pipeline = dataclasses.replace(config.pipeline, recompute=layout.recompute)

@@ -139,11 +139,27 @@ def _selected_bytes(model, moe, degrees: tuple, stage: int, which: str) -> float
                if ((not stacked) if which == "ends" else which in names))
 
 
-def state_bytes(config: Config, layout: Layout) -> tuple[int, int, int]:
-    """(parameters, Adam moments, gradients) bytes on one device."""
+_STATES: dict[tuple, tuple] = {}
+
+
+def state_bytes(config: Config, layout: Layout,
+                zero_stage: int | None = None) -> tuple[int, int, int]:
+    """(parameters, Adam moments, gradients) bytes on one device; `zero_stage` in place of the
+    layout's. Kept by the identity of the model's config: the planner asks a million times, and
+    hashing the model config for `_state_bytes`'s cache would cost more than the answer."""
+    zero = layout.zero_stage if zero_stage is None else zero_stage
     doubled = layout.grad_accum > 1 or layout.stage > 1
-    return _state_bytes(config.model, config.moe, config.optim.moment_dtype, layout.zero_stage,
-                        tuple(layout.degrees().items()), layout.stage, doubled)
+    key = (id(config.model), id(config.moe), config.optim.moment_dtype, zero, layout.data,
+           layout.fsdp, layout.tensor, layout.sequence, layout.expert, layout.stage, doubled)
+    kept = _STATES.get(key)
+    if kept is not None and kept[0] is config.model and kept[1] is config.moe:
+        return kept[2]
+    if len(_STATES) > 65536:
+        _STATES.clear()
+    answer = _state_bytes(config.model, config.moe, config.optim.moment_dtype, zero,
+                          tuple(layout.degrees().items()), layout.stage, doubled)
+    _STATES[key] = (config.model, config.moe, answer)
+    return answer
 
 
 @functools.lru_cache(maxsize=65536)

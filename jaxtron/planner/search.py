@@ -24,7 +24,7 @@ from jaxtron.errors import ConfigError
 from jaxtron.planner.cost import Cost, estimate
 from jaxtron.planner.hardware import Hardware
 from jaxtron.planner.layout import Layout, apply
-from jaxtron.planner.memory import Memory, predict
+from jaxtron.planner.memory import Memory, a2a_kv_heads, predict
 
 REMATS = ("none", "save_dots", "full", "offload")  # offload: not on CPUs (no host memory kind)
 
@@ -51,7 +51,7 @@ def _meshes(config: Config, devices: int, node_size: int):
                 continue
             rest = devices // tensor // stage
             for sequence in divisors(rest):
-                for mode in _context_modes(config, sequence, stage):
+                for mode in _context_modes(config, sequence, stage, tensor, node_size):
                     mode, group = mode if isinstance(mode, tuple) else (mode, 1)
                     for expert in divisors(rest // sequence):
                         if expert > 1 and (not config.moe.enabled
@@ -66,19 +66,37 @@ def _meshes(config: Config, devices: int, node_size: int):
                                          context_parallel=mode, all_to_all_group=group)
 
 
-def _context_modes(config: Config, sequence: int, stage: int) -> tuple:
+def _context_modes(config: Config, sequence: int, stage: int, tensor: int,
+                   node_size: int) -> tuple:
     """Forms of context parallelism worth trying over `sequence` devices (hybrid as
-    ("hybrid", group) for every group dividing it): none below 4k tokens. Inside pipeline
-    stages the ring gathers k/v instead (`context_gather.py`), whose memory and traffic the
-    predictions do not model, and hybrid is refused; all-to-all runs there as it is."""
+    ("hybrid", group)): none below 4k tokens; all-to-all where the heads split; hybrid only
+    where the whole axis leaves the node and a group with its tensor ranks stays inside (else
+    plain all-to-all does as well). Inside pipeline stages the ring gathers k/v instead
+    (`context_gather.py`), whose memory and traffic the predictions do not model, and so does
+    hybrid; all-to-all runs there as it is."""
     if sequence == 1:
         return ("ring",)
     if config.data.seq_len < 4096 or config.moe.enabled:
         return ()
     ring = stage == 1 and config.data.seq_len % (2 * sequence) == 0
-    return ("ring",) * ring + ("all_to_all",) + tuple(
-        ("hybrid", g) for g in divisors(sequence)
-        if 1 < g < sequence and stage == 1 and config.data.seq_len % (2 * sequence // g) == 0)
+    modes = ("ring",) * ring
+    if _heads_split(config, tensor, sequence):
+        modes += ("all_to_all",)
+    if stage == 1 and sequence * tensor > node_size:
+        modes += tuple(("hybrid", g) for g in divisors(sequence)
+                       if 1 < g < sequence and g * tensor <= node_size
+                       and config.data.seq_len % (2 * sequence // g) == 0
+                       and _heads_split(config, tensor, g))
+    return modes
+
+
+def _heads_split(config: Config, tensor: int, n: int) -> bool:
+    """Whether an all-to-all over n can hand out whole query heads and the kv heads they
+    read (`config.checks`)."""
+    m = config.model
+    heads = m.num_heads // tensor
+    kv = a2a_kv_heads(config, Layout(tensor=tensor))
+    return heads % n == 0 and (kv % n == 0 or n % kv == 0)
 
 
 def _accumulations(sequences: int) -> list[int]:

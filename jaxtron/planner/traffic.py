@@ -76,7 +76,7 @@ def ring(n: int) -> float:
 def communication(config: Config, layout: Layout, platform: str = "gpu") -> dict[str, float]:
     """axis -> bytes one device sends per step (see the module docstring)."""
     out = dict.fromkeys(AXES, 0.0)
-    grads, _, _ = state_bytes(config, dataclasses.replace(layout, zero_stage=0))
+    grads, _, _ = state_bytes(config, layout, zero_stage=0)
     passes = layout.grad_accum * (layout.microbatches if layout.stage > 1 else 1)
     experts = expert_gradient_bytes(config, layout) if layout.expert > 1 else 0
     _data_and_fsdp(out, layout, grads - experts, passes, reduce_scatter=platform != "cpu")
