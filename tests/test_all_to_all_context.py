@@ -106,8 +106,8 @@ LAYOUTS = {
     "stage2_sequence2_data2": ({"mesh.stage": 2, "mesh.data": 2, "mesh.sequence": 2}, {},
                                {"pipeline": {"microbatches": 2, "schedule": "zb-h1"}}),
     # hybrid: all-to-all within groups of 2 or 4, rings of 2 across them
-    "hybrid_data2_sequence4_group2": (
-        {"mesh.data": 2, "mesh.sequence": 4, "mesh.context_parallel": "hybrid",
+    "hybrid_fsdp2_sequence4_group2": (
+        {"mesh.data": 1, "mesh.fsdp": 2, "mesh.sequence": 4, "mesh.context_parallel": "hybrid",
          "mesh.all_to_all_group": 2}, {}, {}),
     "hybrid_packed_window_sequence8_group4": (
         {"mesh.data": 1, "mesh.sequence": 8, "mesh.context_parallel": "hybrid",
