@@ -20,6 +20,10 @@ token). Sliding windows and causality are the kernel's own, on true positions, b
 sequence arrives whole and in natural order: the train step puts it in zig-zag order only for
 a ring (`sharding/zigzag.py`).
 
+Hybrid (`group` g < n, Megatron's `a2a+p2p`): the exchange runs within groups of g
+consecutive ranks, and rings of n / g members carry each group's share across the groups
+(`ring.Ring`), or, inside pipeline stages, one all-gather does (`context_gather.py`).
+
 Every mesh axis is manual inside: each device exchanges only its own rows of the batch and its
 own tensor-parallel heads (kv heads replicated over tensor are first cut to those its query
 heads read, as for the Pallas kernels, `per_device.py`).
@@ -47,10 +51,10 @@ def all_to_all_attention(attend, q, k, v, segment_ids, *, mesh: Mesh, group: int
     then hold a contiguous 1/(n/group) of the sequence for 1/group of the heads each; `attend`
     runs inside the region where `sequence` is manual and passes that share round the rings
     across the groups (`ring.ring_on_this_device` with `Ring(n / group, stride=group)`)."""
-    n = mesh.shape[AXIS]
-    a = group or n
-    groups = None if a == n else [list(range(g * a, (g + 1) * a)) for g in range(n // a)]
-    n = a  # the exchange's own size
+    ranks = mesh.shape[AXIS]
+    n = group or ranks  # devices in one exchange
+    groups = (None if n == ranks
+              else [list(range(g * n, (g + 1) * n)) for g in range(ranks // n)])
     q_spec, kv_spec, own_kv_heads = split_heads(q, k, mesh, seq="seq")
     seg_spec = None if segment_ids is None else PartitionSpec(q_spec[0], q_spec[1])
 
