@@ -16,9 +16,9 @@ cuDNN serves bf16/fp16 with a head dim that is a multiple of 8 and at most 128 (
 Hopper), without packed segments (JAX's cuDNN call takes no segment ids) and with as many
 queries as keys (its causal mask is top-left aligned; every other kernel's bottom-right).
 Explicit `cudnn` runs Triton for the calls it cannot serve that way, and refuses a platform,
-dtype or head dim it never serves. With ring context parallelism (a `sequence` mesh axis) every
-impl runs as ring attention; with `mesh.context_parallel=all_to_all` the kernel above runs on
-whole sequences between two all-to-alls.
+dtype or head dim it never serves. With ring or hybrid context parallelism (a `sequence` mesh
+axis) every impl runs as ring attention; with `mesh.context_parallel=all_to_all` the kernel
+above runs on whole sequences between two all-to-alls.
 
 cuDNN can only be traced where cuDNN is installed: on any other machine a step lowered for
 CUDA (`--dry-run --target cuda`) lowers Triton in cuDNN's place (`cudnn_traceable=False`), and
@@ -132,7 +132,8 @@ def configured_kernel(config: Config, platform: str, cudnn_traceable: bool = Tru
                     head_dim=max(m.qk_head_dim, m.value_head_dim),
                     segments=config.data.packing == "documents",
                     cudnn_traceable=cudnn_traceable)
-    ring = config.mesh.sequence > 1 and config.mesh.context_parallel == "ring"
+    # hybrid context parallelism runs the ring's steps after its all-to-alls
+    ring = config.mesh.sequence > 1 and config.mesh.context_parallel != "all_to_all"
     return Kernel.RING if ring else kernel
 
 
@@ -146,6 +147,9 @@ def report_line(config: Config, platform: str) -> str:
     if config.mesh.sequence > 1 and config.mesh.context_parallel == "all_to_all":
         line += (f", on whole sequences of 1/{config.mesh.sequence} of the heads between "
                  "all-to-alls over sequence")
+    elif config.mesh.sequence > 1 and config.mesh.context_parallel == "hybrid":
+        line += (f", across groups after all-to-alls within groups of "
+                 f"{config.mesh.all_to_all_group}")
     if here is not there:
         line += (f"; cuDNN cannot be lowered on a machine without it, so this check lowers "
                  f"{DESCRIPTIONS[here]} in its place")
