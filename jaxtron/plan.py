@@ -72,7 +72,7 @@ def _check_flags(args) -> None:
     at_least("--devices", args.devices, 1, "give the device count to plan for, e.g. 64")
     at_least("--top", args.top, 1, "show at least one layout")
     at_least("--node-size", args.node_size, 1, "give the devices per node, e.g. 8")
-    for flag in ("peak_tflops", "intra_bw", "inter_bw"):
+    for flag in ("peak_tflops", "intra_bw", "inter_bw", "host_bw"):
         above(f"--{flag.replace('_', '-')}", getattr(args, flag), 0, "give a positive rate, or "
               "leave it out for the hardware's")
     above("--efficiency", args.efficiency, 0, "give the share of peak a step reaches, e.g. 0.5")
@@ -96,6 +96,8 @@ def main(argv=None) -> int:
     parser.add_argument("--peak-tflops", type=float, help="override the peak bf16 TFLOP/s")
     parser.add_argument("--intra-bw", type=float, help="override intra-node GB/s per device")
     parser.add_argument("--inter-bw", type=float, help="override inter-node GB/s per device")
+    parser.add_argument("--host-bw", type=float, help="override device-to-host GB/s per device "
+                        "(what remat=offload moves over)")
     parser.add_argument("--node-size", type=int, help="override devices per node")
     parser.add_argument("--efficiency", type=float, help="override achieved share of peak")
     parser.add_argument("--platform", default=None, choices=("gpu", "cpu", "tpu"),
@@ -112,6 +114,7 @@ def main(argv=None) -> int:
     scaled = lambda value, unit: None if value is None else value * unit  # noqa: E731
     changes = {"peak_flops": scaled(args.peak_tflops, 1e12),
                "intra_bw": scaled(args.intra_bw, 1e9), "inter_bw": scaled(args.inter_bw, 1e9),
+               "host_bw": scaled(args.host_bw, 1e9),
                "node_size": args.node_size, "efficiency": args.efficiency}
     hardware = dataclasses.replace(hardware, **{k: v for k, v in changes.items()
                                                 if v is not None})

@@ -141,3 +141,20 @@ def test_the_planner_counts_host_moments_only_where_the_update_peaks_above_the_b
         config, optim=dataclasses.replace(config.optim, host_moments=True)), Layout(data=8))
     assert hosted.optimizer == max(0, plain.optimizer - plain.activations - plain.logits)
     assert hosted.total < plain.total
+
+
+def test_the_host_link_can_be_given_on_the_command_line(capsys):
+    """`plan --host-bw` replaces the hardware's host link, as the other link flags do: a slower
+    link makes the offloaded layouts' steps slower."""
+    from jaxtron import plan
+
+    args = ["--config", "configs/llama3-8b.yaml", "--devices", "8", "data.seq_len=131072",
+            "model.max_seq_len=131072", "train.batch_size=8", "optim.grad_accum=1", "--top",
+            "1", "--compare",
+            "mesh.fsdp=2 mesh.tensor=4 model.remat=offload"]
+    steps = []
+    for link in ([], ["--host-bw", "5"]):
+        assert plan.main([*args, *link]) == 0
+        given = capsys.readouterr().out.splitlines()[-1]
+        steps.append(float(re.search(r"step ([\d.]+) s", given).group(1)))
+    assert steps[1] > steps[0], steps

@@ -119,6 +119,7 @@ def test_launch_help_prints_help(capsys):
     (["--devices", "8", "--efficiency", "0"], "--efficiency 0.0 must be more than 0"),
     (["--devices", "8", "--efficiency", "2"], "--efficiency 2.0 is a share of the peak"),
     (["--devices", "8", "--peak-tflops", "0"], "--peak-tflops 0.0 must be more than 0"),
+    (["--devices", "8", "--host-bw", "-5"], "--host-bw -5.0 must be more than 0"),
     (["--devices", "8", "--node-size", "0"], "--node-size 0 must be at least 1"),
 ])
 def test_plan_flags_are_checked(capsys, argv, fragment):
