@@ -426,14 +426,28 @@ def _check_context_parallel(c: Config, n: int, tensor: int) -> None:
            f"mesh.context_parallel={mode} hands each of the {n} devices of an all-to-all whole "
            f"query heads, but model.num_heads / mesh.tensor = {heads} does not split {n} ways; "
            "choose mesh.sequence dividing it, or mesh.context_parallel=ring.")
-    kv = c.model.kv_heads // tensor
-    if c.model.attention == "mla":
-        kv = heads  # multi-head latent attention decompresses k and v per query head
-    elif c.model.kv_heads % tensor:  # kv heads replicated over tensor: a rank keeps those
-        group = c.model.num_heads // c.model.kv_heads  # its query heads read (per_device.py)
-        kv = 1 if group % heads == 0 else heads
+    kv = kv_heads_per_rank(c.model, tensor)
     _check(kv % n == 0 or n % kv == 0,
            f"mesh.context_parallel={mode} needs the {kv} kv head(s) of a tensor rank to split "
            f"over the {n} devices of an all-to-all or to be repeated up to them (one divides the "
            "other); "
            "choose mesh.sequence accordingly, or mesh.context_parallel=ring.")
+
+
+def kv_heads_per_rank(m: ModelConfig, tensor: int) -> int:
+    """The kv heads the query heads of one tensor rank read: its share of them, or, with kv
+    heads replicated over tensor (fewer than ranks), those it keeps (`kernels/per_device.py`);
+    multi-head latent attention decompresses k and v per query head."""
+    heads = m.num_heads // tensor
+    if m.attention == "mla":
+        return heads
+    if m.kv_heads % tensor == 0:
+        return m.kv_heads // tensor
+    return 1 if (m.num_heads // m.kv_heads) % heads == 0 else heads
+
+
+def all_to_all_splits(m: ModelConfig, tensor: int, n: int) -> bool:
+    """Whether an all-to-all over n devices can hand each whole query heads and the kv heads
+    they read (split, or repeated up to n): what `_check_context_parallel` requires."""
+    kv = kv_heads_per_rank(m, tensor)
+    return (m.num_heads // tensor) % n == 0 and (kv % n == 0 or n % kv == 0)

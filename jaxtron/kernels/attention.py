@@ -53,7 +53,12 @@ from jaxtron.kernels.per_device import per_device
 from jaxtron.kernels.reference import check_window, reference_attention
 from jaxtron.kernels.ring import Ring, ring_attention, ring_on_this_device
 from jaxtron.kernels.splash import splash_attention
-from jaxtron.sharding.context_parallel import ALL_TO_ALL, HYBRID, context_parallel_mode
+from jaxtron.sharding.context_parallel import (
+    ALL_TO_ALL,
+    HYBRID,
+    context_parallel_mode,
+    ring_size,
+)
 from jaxtron.sharding.rules import active_mesh, manual_axes
 from jaxtron.sharding.zigzag import zigzag_ring
 
@@ -71,8 +76,8 @@ def attention(q, k, v, *, causal: bool = True, segment_ids=None, impl="auto",
     ring = mesh.shape.get("sequence", 1) if mesh is not None else 1
     mode, group = context_parallel_mode()
     ordered_for = zigzag_ring()  # a train step's sequence already in zig-zag order, for a ring
-    rings = ring // group if mode == HYBRID else ring
-    if ordered_for not in (None, rings) or (mode == ALL_TO_ALL and ordered_for is not None):
+    rings = ring_size(mode, ring, group)  # members of each ring; 1: natural order expected
+    if ordered_for not in (None, rings) or (rings == 1 and ordered_for is not None):
         raise ValueError(f"the sequence is in zig-zag order for a ring of {ordered_for}, but "
                          f"the active mesh has sequence={ring} ({mode}): trace the step on its "
                          "own mesh.")

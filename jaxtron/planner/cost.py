@@ -99,13 +99,11 @@ def estimate(config: Config, layout: Layout, hardware: Hardware, platform: str =
     seconds = {axis: volume / (hardware.intra_bw if inner[axis] <= hardware.node_size
                                else hardware.inter_bw)
                for axis, volume in volumes.items()}
-    if layout.context_parallel == "hybrid" and not intra_node(layout, "sequence",
-                                                               hardware.node_size):
-        # the all-to-alls stay inside a node (a group and the tensor ranks below it fit)
+    if (layout.context_parallel == "hybrid" and inner["sequence"] > hardware.node_size
+            and layout.all_to_all_size * layout.tensor <= hardware.node_size):
+        # the rings cross nodes, but each all-to-all group and its tensor ranks stay inside
         a2a = context_parallel_bytes(config, layout)[0] * layout.grad_accum  # no pipeline
-        inner = layout.all_to_all_group * layout.tensor <= hardware.node_size
-        seconds["sequence"] -= a2a / hardware.inter_bw
-        seconds["sequence"] += a2a / (hardware.intra_bw if inner else hardware.inter_bw)
+        seconds["sequence"] += a2a / hardware.intra_bw - a2a / hardware.inter_bw
     critical = seconds["tensor"] + seconds["sequence"] + seconds["expert"] + seconds["stage"]
     # remat: offload copies to host in the forward and back in the backward, beside the
     # compute like the data-parallel reductions

@@ -32,6 +32,13 @@ class Layout:
         return self.data * self.fsdp * self.tensor * self.sequence * self.expert * self.stage
 
     @property
+    def all_to_all_size(self) -> int:
+        """Devices in one all-to-all of context parallelism (1: none, a ring)."""
+        if self.sequence == 1 or self.context_parallel == "ring":
+            return 1
+        return self.sequence if self.context_parallel == "all_to_all" else self.all_to_all_group
+
+    @property
     def batch_split(self) -> int:
         """Ways the batch is divided: the data, fsdp and expert axes."""
         return self.data * self.fsdp * self.expert

@@ -46,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxtron.config.checks import kv_heads_per_rank
 from jaxtron.config.schema import Config
 from jaxtron.errors import ConfigError
 from jaxtron.kernels.dropless_experts import receive_rows
@@ -194,17 +195,6 @@ def _state_bytes(model, moe, moment_dtype: str, zero_stage: int, degrees: tuple,
 BACKWARD_WORKING_BLOCKS = 1.5
 
 
-def a2a_kv_heads(config: Config, layout: Layout) -> int:
-    """The kv heads one tensor rank's query heads read (`per_device.split_heads`)."""
-    m, t = config.model, layout.tensor
-    heads = m.num_heads // t
-    if m.attention == "mla":
-        return heads
-    if m.kv_heads % t == 0:
-        return m.kv_heads // t
-    return 1 if (m.num_heads // m.kv_heads) % heads == 0 else heads
-
-
 def offloaded_bytes(config: Config, layout: Layout) -> float:
     """Bytes `remat: offload` moves to host memory per microbatch pass and layer, and back:
     the block input (D / r a token), attention's output (H K / t) and its fp32 log-sum-exp
@@ -226,15 +216,15 @@ def layer_activation_bytes(config: Config, layout: Layout, tokens: int, policy: 
     t = layout.tensor
     r = t if layout.sequence_parallel else 1
     kv_split = t if m.kv_heads % t == 0 else 1
-    hk, gk = m.num_heads * m.resolved_head_dim, m.kv_heads * m.resolved_head_dim
-    if layout.sequence > 1 and layout.context_parallel != "ring":
-        # the kernel keeps k and v at the heads exchanged: repeated up to n when fewer
-        n = layout.sequence if layout.context_parallel == "all_to_all" else layout.all_to_all_group
-        gk = max(a2a_kv_heads(config, layout), n) * m.resolved_head_dim * kv_split
     if policy == "full":
         return e * tokens * m.d_model / r
     if policy == "offload":  # kept in host memory (`offloaded_bytes`), none on the device
         return 0.0
+    hk, gk = m.num_heads * m.resolved_head_dim, m.kv_heads * m.resolved_head_dim
+    if layout.all_to_all_size > 1:
+        # the kernel keeps k and v at the heads exchanged: repeated up to n when fewer
+        gk = (max(kv_heads_per_rank(m, t), layout.all_to_all_size) * m.resolved_head_dim
+              * kv_split)
     dots = 2 * hk / t + 2 * gk / kv_split + 2 * _mlp_width(config, layout) / t + 2 * m.d_model / r
     norm_saves = 1 if m.type == "llama" else 3
     full = (2 * (2 + norm_saves) * m.d_model / r + 2 * hk / t
@@ -340,7 +330,8 @@ def predict(config: Config, layout: Layout) -> Memory:
     tokens = microbatch_tokens(config, layout)
     layers = math.ceil(m.num_layers / layout.stage)
     blocks = BACKWARD_WORKING_BLOCKS + (1 if layout.remat in ("full", "offload") else 0)
-    working = blocks * layer_activation_bytes(config, layout, tokens, "none")
+    unsaved = layer_activation_bytes(config, layout, tokens, "none")  # what a block makes
+    working = blocks * unsaved
     if layout.fsdp > 1:  # one block's weights gathered for the forward, one for the backward
         working += 2 * gathered_block_bytes(config, layout)
     if config.moe.enabled:
@@ -350,7 +341,8 @@ def predict(config: Config, layout: Layout) -> Memory:
         per_sequence = (0 if not grouped else 1 if layout.expert > 1  # one dot over the buffer
                         else microbatch_sequences(config, layout))
         working += 2 * (1 + per_sequence) * expert_block_bytes(config, layout)
-    kept = layer_activation_bytes(config, layout, tokens, layout.remat)
+    kept = (unsaved if layout.remat == "none"
+            else layer_activation_bytes(config, layout, tokens, layout.remat))
     if layout.stage > 1:
         in_flight = (layout.microbatches if layout.schedule == "gpipe"
                      else min(layout.microbatches, layout.stage * layout.virtual_stages))

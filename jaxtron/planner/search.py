@@ -17,14 +17,14 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
-from jaxtron.config.checks import check_layout
+from jaxtron.config.checks import all_to_all_splits, check_layout
 from jaxtron.config.platforms import for_platform
 from jaxtron.config.schema import Config
 from jaxtron.errors import ConfigError
 from jaxtron.planner.cost import Cost, estimate
 from jaxtron.planner.hardware import Hardware
 from jaxtron.planner.layout import Layout, apply
-from jaxtron.planner.memory import Memory, a2a_kv_heads, predict
+from jaxtron.planner.memory import Memory, predict
 
 REMATS = ("none", "save_dots", "full", "offload")  # offload: not on CPUs (no host memory kind)
 
@@ -80,23 +80,14 @@ def _context_modes(config: Config, sequence: int, stage: int, tensor: int,
         return ()
     ring = stage == 1 and config.data.seq_len % (2 * sequence) == 0
     modes = ("ring",) * ring
-    if _heads_split(config, tensor, sequence):
+    if all_to_all_splits(config.model, tensor, sequence):
         modes += ("all_to_all",)
     if stage == 1 and sequence * tensor > node_size:
         modes += tuple(("hybrid", g) for g in divisors(sequence)
                        if 1 < g < sequence and g * tensor <= node_size
                        and config.data.seq_len % (2 * sequence // g) == 0
-                       and _heads_split(config, tensor, g))
+                       and all_to_all_splits(config.model, tensor, g))
     return modes
-
-
-def _heads_split(config: Config, tensor: int, n: int) -> bool:
-    """Whether an all-to-all over n can hand out whole query heads and the kv heads they
-    read (`config.checks`)."""
-    m = config.model
-    heads = m.num_heads // tensor
-    kv = a2a_kv_heads(config, Layout(tensor=tensor))
-    return heads % n == 0 and (kv % n == 0 or n % kv == 0)
 
 
 def _accumulations(sequences: int) -> list[int]:

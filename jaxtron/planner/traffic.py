@@ -53,10 +53,10 @@ import math
 
 import numpy as np
 
+from jaxtron.config.checks import kv_heads_per_rank
 from jaxtron.config.schema import Config
 from jaxtron.planner.layout import Layout
 from jaxtron.planner.memory import (
-    a2a_kv_heads,
     dropless_buffer_rows,
     end_bytes,
     expert_gradient_bytes,
@@ -104,21 +104,23 @@ def context_parallel_bytes(config: Config, layout: Layout) -> tuple[float, float
     All-to-all (`kernels/all_to_all_context.py`): see `_all_to_all`. Hybrid: all-to-all
     within groups of g, then rings of n / g over each group's share (g times the tokens,
     max(G', g) / g of the kv heads)."""
-    n, g = layout.sequence, layout.all_to_all_group
+    n, g, m, t = layout.sequence, layout.all_to_all_size, config.model, layout.tensor
     if n == 1:
         return 0.0, 0.0
-    if layout.context_parallel == "all_to_all":
-        return _all_to_all(config, layout, n), 0.0
-    if layout.context_parallel == "hybrid":
-        heads = max(a2a_kv_heads(config, layout), g) / g
-        return _all_to_all(config, layout, g), _ring_attention(config, layout, n // g, g, heads)
-    m, t = config.model, layout.tensor
-    return 0.0, _ring_attention(config, layout, n, 1, m.kv_heads // t if m.kv_heads % t == 0
-                                else m.kv_heads)
+    if g == 1:
+        return 0.0, _ring_attention(config, layout, n, 1, m.kv_heads // t if m.kv_heads % t == 0
+                                    else m.kv_heads)
+    exchanged = _all_to_all(config, layout, g)
+    if g == n:
+        return exchanged, 0.0
+    heads = max(kv_heads_per_rank(m, t), g) / g  # hybrid: each ring member's kv heads
+    return exchanged, _ring_attention(config, layout, n // g, g, heads)
 
 
 def _ring_attention(config: Config, layout: Layout, n: int, tokens_factor: int,
                     kv_heads: float) -> float:
+    """Ring attention over n members, each holding `tokens_factor` x this device's tokens
+    and `kv_heads` kv heads."""
     m = config.model
     e = np.dtype(m.compute_dtype).itemsize
     tokens = microbatch_tokens(config, layout) * tokens_factor
@@ -142,7 +144,8 @@ def _all_to_all(config: Config, layout: Layout, n: int) -> float:
     heads = m.num_heads // layout.tensor
     q = tokens * heads * m.qk_head_dim
     out = tokens * heads * m.value_head_dim
-    kv = tokens * max(a2a_kv_heads(config, layout), n) * (m.qk_head_dim + m.value_head_dim)
+    kv = tokens * max(kv_heads_per_rank(m, layout.tensor), n) * (m.qk_head_dim
+                                                                 + m.value_head_dim)
     passes = 2 if layout.remat == "none" else 3
     sent = passes * ring(n) * e * (q + kv + out)
     if config.data.packing == "documents":
