@@ -48,3 +48,28 @@ def test_gpipe_never_mixes_forwards_and_backwards_in_a_tick():
     p, m = 4, 8
     table = build_table("gpipe", p, m)
     assert weighted_idle(table, recompute=True) == pytest.approx((p - 1) / (m + p - 1))
+
+
+def test_show_prints_every_schedules_formula_beside_its_lockstep_idle(capsys):
+    """The published formulas, written here, beside the walk: 1F1B loses 0.448 - 0.273 of the
+    step to lockstep at p=4, m=8; GPipe and stored zb-h1 keep their formulas."""
+    from jaxtron.pipeline import show
+
+    p, m = 4, 8
+    assert show.main(["--stages", str(p), "--microbatches", str(m)]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0] + (" " + line.split()[1] if "v=" in line else ""):
+            [float(x) for x in line.split()[-4:]]
+            for line in out.split("lockstep stored\n")[1].splitlines()}
+    formulas = {"gpipe": 3 / 11, "1f1b": 3 / 11, "interleaved v=2": 3 / 19, "zb-h1": 3 / 27,
+                "zbv": build_table("zbv", p, m).bubble}
+    assert set(rows) == set(formulas)
+    for name, (formula, bubble, recomputing, stored) in rows.items():
+        table = build_table(name.split()[0], p, m, 2 if "v=" in name else 1)
+        assert formula == pytest.approx(formulas[name], abs=1e-4)
+        assert bubble == pytest.approx(table.bubble, abs=1e-4)
+        assert recomputing == pytest.approx(weighted_idle(table, True), abs=1e-4)
+        assert stored == pytest.approx(weighted_idle(table, False), abs=1e-4)
+    assert rows["1f1b"][2] == pytest.approx(0.4483, abs=1e-4)
+    assert rows["gpipe"][2] == pytest.approx(rows["gpipe"][0])
+    assert rows["zb-h1"][3] == pytest.approx(rows["zb-h1"][0])

@@ -16,8 +16,12 @@ forward-only pass needs about one slot and no backward buffers at all.
 
 from __future__ import annotations
 
+import functools
+
+import numpy as np
+
 from jaxtron.pipeline.ticks import BACKWARD, FORWARD, Action, Table, place
-from jaxtron.pipeline.zero_bubble import split_orders, zbv_table
+from jaxtron.pipeline.zero_bubble import bubble_formula, split_orders, zbv_table
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
 SPLIT_SCHEDULES = ("zb-h1", "zbv")  # each backward as B and W
@@ -57,12 +61,33 @@ def _one_forward_one_backward(forwards, backwards, warmup: int) -> list[Action]:
     return order + list(backwards[len(forwards) - warmup:])
 
 
+@functools.lru_cache(maxsize=1024)
 def build_table(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> Table:
-    """The training table: every forward and backward of `schedule`."""
+    """The training table: every forward and backward of `schedule`. Built once per shape
+    (zbv's placement is a search, and the planner asks for thousands); read-only."""
     if schedule == "zbv":  # placed greedily, two chunks per rank in a V
-        return zbv_table(stages, microbatches)
-    return place(schedule, device_orders(schedule, stages, microbatches, virtual), stages,
-                 microbatches, virtual)
+        table = zbv_table(stages, microbatches)
+    else:
+        table = place(schedule, device_orders(schedule, stages, microbatches, virtual), stages,
+                      microbatches, virtual)
+    for value in vars(table).values():  # shared by every caller: nobody may write to it
+        if isinstance(value, np.ndarray):
+            value.setflags(write=False)
+    return table
+
+
+def formula_idle(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> float:
+    """The idle share each schedule's paper gives, ranks running asynchronously: (p-1)/(m+p-1)
+    for GPipe and 1F1B, (p-1)/(v*m+p-1) interleaved, (p-1)/(3m+p-1) for ZB-H1 (F = B = W);
+    ZB-V has no closed form here, so its greedy table's idle cells stand for it."""
+    p, m, v = stages, microbatches, virtual
+    if p == 1:
+        return 0.0
+    if schedule == "zb-h1":
+        return bubble_formula(p, m)
+    if schedule == "zbv":
+        return build_table("zbv", p, m).bubble
+    return (p - 1) / ((v if schedule == "interleaved" else 1) * m + p - 1)
 
 
 def forward_table(stages: int, microbatches: int, virtual: int = 1,

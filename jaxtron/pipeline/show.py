@@ -11,7 +11,8 @@ split-backward schedules `zb-h1` and `zbv` a tick is one F, one B (input gradien
 (weight gradient); `zbv`'s rows show each rank's two chunks (`.0` down the V, `.1` back up).
 Every table shown is first checked by `jaxtron.pipeline.table_check`. The last line gives the
 idle share where ranks run side by side with jobs at their real lengths
-(`jaxtron.pipeline.timeline`), with the backward recomputing the stage and without.
+(`jaxtron.pipeline.timeline`), with the backward recomputing the stage and without; then every
+schedule at the same p and m, its formula's idle share beside its idle in this engine.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import argparse
 import sys
 
 from jaxtron.pipeline import table_check, timeline, zero_bubble
-from jaxtron.pipeline.schedules import SCHEDULES, SPLIT_SCHEDULES, build_table
+from jaxtron.pipeline.schedules import SCHEDULES, SPLIT_SCHEDULES, build_table, formula_idle
 from jaxtron.pipeline.ticks import Table, render
 
 
@@ -47,7 +48,38 @@ def main(argv=None) -> int:
           f"(pipeline.recompute=true), {timeline.weighted_idle(table, recompute=False):.4f} "
           f"from stored residuals; step {timeline.step_units(table, True):g} and "
           f"{timeline.step_units(table, False):g} forwards of one stage")
+    print(side_by_side(p, m, v if v > 1 else 2))
     return 0
+
+
+def idle_shares(p: int, m: int, v: int) -> list[tuple[str, float, float, float, float]]:
+    """(schedule, formula idle, table bubble, lockstep idle recomputing, stored) of every
+    schedule that runs at p stages and m microbatches (interleaved with v chunks)."""
+    rows = []
+    for schedule in SCHEDULES:
+        if schedule == "interleaved" and m % p:
+            continue
+        virtual = v if schedule == "interleaved" else 1
+        table = build_table(schedule, p, m, virtual)
+        rows.append((schedule if virtual == 1 else f"{schedule} v={virtual}",
+                     formula_idle(schedule, p, m, virtual), table.bubble,
+                     timeline.weighted_idle(table, recompute=True),
+                     timeline.weighted_idle(table, recompute=False)))
+    return rows
+
+
+def side_by_side(p: int, m: int, v: int) -> str:
+    """Every schedule's formula idle next to its idle in this engine, where a tick ends when
+    a rank and both neighbours finish (`timeline.py`)."""
+    lines = [f"every schedule at {p} stages, {m} microbatches: idle share by its formula "
+             "(ranks asynchronous) and in this engine (ranks in lockstep, jobs at their "
+             "lengths)",
+             f"  {'schedule':<16}{'formula':>9}{'table':>9}{'lockstep recomputing':>22}"
+             f"{'lockstep stored':>17}"]
+    for name, formula, bubble, recomputing, stored in idle_shares(p, m, v):
+        lines.append(f"  {name:<16}{formula:>9.4f}{bubble:>9.4f}{recomputing:>22.4f}"
+                     f"{stored:>17.4f}")
+    return "\n".join(lines)
 
 
 def show_table(schedule: str, p: int, m: int, v: int) -> Table:

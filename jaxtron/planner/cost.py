@@ -17,6 +17,7 @@ import functools
 import math
 
 from jaxtron.config.schema import Config
+from jaxtron.pipeline.schedules import formula_idle
 from jaxtron.pipeline.timeline import weighted_idle
 from jaxtron.planner.hardware import Hardware
 from jaxtron.planner.layout import Layout
@@ -43,16 +44,14 @@ class Cost:
 
 
 def bubble_fraction(layout: Layout) -> float:
-    """Idle share of a pipeline rank: (p-1)/(m+p-1), interleaved (p-1)/(v m + p-1), zb-h1
-    (p-1)/(3m + p-1) (its table's idle ticks, F, B and W one tick each), zbv its table's."""
-    p, m, v = layout.stage, layout.microbatches, layout.virtual_stages
-    if p == 1:
+    """Idle share of a pipeline rank by its schedule's formula (`schedules.formula_idle`)."""
+    if layout.stage == 1:
         return 0.0
-    if layout.schedule == "zb-h1":
-        return (p - 1) / (3 * m + p - 1)
-    if layout.schedule == "zbv":  # greedy placement: no closed form; its table's idle share
-        return schedule_table("zbv", p, m, 2).bubble
-    return (p - 1) / ((v if layout.schedule == "interleaved" else 1) * m + p - 1)
+    return _formula_idle(layout.schedule, layout.stage, layout.microbatches,
+                         layout.virtual_stages)
+
+
+_formula_idle = functools.lru_cache(maxsize=4096)(formula_idle)
 
 
 def idle_fraction(layout: Layout) -> float:

@@ -301,10 +301,8 @@ def microbatch_tokens(config: Config, layout: Layout) -> int:
     return microbatch_sequences(config, layout) * config.data.seq_len // layout.sequence
 
 
-@functools.lru_cache(maxsize=4096)
 def schedule_table(schedule: str, stages: int, microbatches: int, virtual: int):
-    """The tick table a layout runs, built once per shape: the planner asks for thousands,
-    and zbv's placement is a search."""
+    """The tick table a layout runs (built once per shape by `build_table`)."""
     return build_table(schedule, stages, microbatches, virtual)
 
 
