@@ -54,6 +54,7 @@ from jaxtron.data.windows import batch_keys
 from jaxtron.errors import ConfigError, exits_on_user_error
 from jaxtron.pipeline.schedules import build_table
 from jaxtron.pipeline.timeline import step_units, weighted_idle
+from jaxtron.planner import schedule_choice
 from jaxtron.runtime.cpu_matmuls import compiler_options
 from jaxtron.runtime.host_memory import keep_freed_host_memory
 from jaxtron.sharding.mesh import describe_mesh
@@ -254,6 +255,9 @@ def main(argv=None) -> int:
     args = parser.parse_intermixed_args(argv)
     keep_freed_host_memory()  # before JAX starts its threads
     config = load_config(args.config, args.overrides)
+    config, chosen = schedule_choice.for_this_run(config)
+    if chosen:
+        print(chosen, flush=True)
     report = run(config, args.warmup, args.steps, args.repeats, not args.no_reference)
     if args.compare_fp8:
         report.update(compare_fp8(config, args.warmup, args.steps, args.repeats))

@@ -17,11 +17,14 @@ from __future__ import annotations
 import argparse
 import sys
 
+import jax
+
 from jaxtron.config.checks import config_warnings
 from jaxtron.config.flags import at_least
 from jaxtron.config.loading import dump_config, format_field_reference, load_config
 from jaxtron.config.platforms import PLATFORMS, simulate_cpu_devices
 from jaxtron.errors import ConfigError, exit_command, exits_on_user_error
+from jaxtron.planner import schedule_choice
 from jaxtron.planner.dry_run import dry_run
 from jaxtron.runtime import distributed
 from jaxtron.runtime.host_memory import keep_freed_host_memory
@@ -70,6 +73,9 @@ def main(argv=None) -> int:
         print(f"warning: {warning}", file=sys.stderr, flush=True)
     launch = distributed.initialize(config)
     with distributed.exits_when_a_peer_fails(launch):
+        config, chosen = schedule_choice.for_this_run(config, args.target)
+        if chosen and jax.process_index() == 0:
+            print(chosen, flush=True)
         if args.dry_run:
             dry_run(config, args.target)
         else:

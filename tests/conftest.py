@@ -1,6 +1,7 @@
 """Eight simulated CPU devices for every test, a per-session corpus cache, one compilation
 cache for every worker of a session, and the longest tests first."""
 
+import dataclasses
 import gc
 import json
 import os
@@ -128,7 +129,18 @@ def make_config(overrides: dict | None = None, model: dict | None = None, **sect
            "optim": {"warmup_steps": 2}}
     for section, values in sections.items():
         raw.setdefault(section, {}).update(values)
-    return config_from_dict(raw, [f"{k}={v}" for k, v in (overrides or {}).items()])
+    return with_named_schedule(config_from_dict(
+        raw, [f"{k}={v}" for k, v in (overrides or {}).items()]))
+
+
+def with_named_schedule(config):
+    """A pipelined config that leaves `pipeline.schedule: auto` with 1F1B named: a trainer
+    built in code needs a named schedule (the commands choose one, tests/test_schedule_choice.py
+    checks how)."""
+    if config.mesh.stage > 1 and config.pipeline.schedule == "auto":
+        return dataclasses.replace(config, pipeline=dataclasses.replace(config.pipeline,
+                                                                         schedule="1f1b"))
+    return config
 
 
 def first_batch_objective_metrics_grads(config, devices: int):

@@ -18,7 +18,13 @@ from jaxtron.pipeline.ticks import BACKWARD, FORWARD, IDLE
 from jaxtron.sharding.collectives import count_collectives
 from jaxtron.training.trainer import Trainer
 
-from conftest import USERS_CODEGEN, long_run_env, make_config, metric_records
+from conftest import (
+    USERS_CODEGEN,
+    long_run_env,
+    make_config,
+    metric_records,
+    with_named_schedule,
+)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
@@ -241,7 +247,8 @@ BIG_VOCAB = ["model.vocab_size=4096", "model.num_layers=8", "mesh.stage=4", "mes
 
 
 def tiny_trainer(*overrides):
-    return Trainer(load_config("configs/tiny.yaml", [*BIG_VOCAB, *overrides]))
+    return Trainer(with_named_schedule(load_config("configs/tiny.yaml",
+                                                   [*BIG_VOCAB, *overrides])))
 
 
 def per_device_bytes(tree):
@@ -391,6 +398,9 @@ def test_train_cli_with_two_stages(tmp_path):
     records = metric_records(tmp_path)
     assert records[-1]["loss"] < records[0]["loss"] and "eval_loss" in records[-1]
     assert "stage=2" in result.stdout
+    # no schedule named: the fastest that fits, reported, and written into the run's config
+    chosen = load_config(tmp_path / "config.yaml").pipeline.schedule
+    assert f"pipeline.schedule=auto: {chosen}" in result.stdout and chosen != "auto"
 
 
 def test_show_cli_prints_timeline_and_bubble():

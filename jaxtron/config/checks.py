@@ -336,7 +336,7 @@ def _validate_pipeline(c: Config) -> None:
     elif pp.schedule == "zbv":
         _check(v == 2, f"pipeline.schedule=zbv runs two chunks per rank: set "
                f"pipeline.virtual_stages=2 (got {v}).")
-    else:
+    elif pp.schedule != "auto":  # auto chooses among the schedules that run v chunks
         _check(v == 1, f"pipeline.virtual_stages={v} needs pipeline.schedule=interleaved.")
     n_virtual = stages * v
     every = c.moe.every if c.moe.enabled else 1  # MoE models split in groups of `every` blocks

@@ -26,7 +26,7 @@ REMAT_POLICIES = ("none", "full", "save_dots", "offload")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "pallas")
 MODEL_TYPES = ("llama", "gpt2")
 ATTENTIONS = ("mha", "mla")
-PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1", "zbv")
+PIPELINE_SCHEDULES = ("auto", "1f1b", "gpipe", "interleaved", "zb-h1", "zbv")
 CONTEXT_PARALLEL = ("ring", "all_to_all", "hybrid")
 
 
@@ -210,7 +210,9 @@ class MeshConfig:
 
 @dataclass(frozen=True)
 class PipelineConfig:
-    schedule: str = _f("1f1b", "pipeline schedule (with mesh.stage > 1)", PIPELINE_SCHEDULES)
+    schedule: str = _f("auto", "pipeline schedule (with mesh.stage > 1); auto: the fastest "
+                       "that fits the device's memory, as the planner predicts them",
+                       PIPELINE_SCHEDULES)
     microbatches: int = _f(1, "microbatches per step flowing through the pipeline")
     virtual_stages: int = _f(1, "model chunks per device (interleaved schedule; zbv always "
                              "runs 2, and 1 there means 2)")

@@ -23,6 +23,7 @@ from jaxtron.config.loading import config_from_dict, config_to_dict
 from jaxtron.config.platforms import for_platform
 from jaxtron.config.schema import Config
 from jaxtron.errors import ConfigError, JaxtronError
+from jaxtron.planner import schedule_choice
 from jaxtron.planner.hardware import Hardware
 from jaxtron.planner.layout import layout_of
 from jaxtron.planner.memory import predict
@@ -88,7 +89,8 @@ def shrink_within(config: Config, before: int, after: int,
     if devices is None:
         return overrides
     count = after * devices.per_process
-    shrunk = _shrunk(config, overrides, after)
+    shrunk, _ = schedule_choice.resolve(_shrunk(config, overrides, after), count,
+                                        devices.hardware, devices.memory_bytes, devices.platform)
     layout = layout_of(shrunk, resolve_degrees(shrunk.mesh, count))
     on_platform = for_platform(shrunk, "cuda" if devices.platform == "gpu" else devices.platform)
     if predict(on_platform, layout).total <= devices.memory_bytes:
@@ -96,7 +98,7 @@ def shrink_within(config: Config, before: int, after: int,
     ranked = plan(config, count, devices.hardware, devices.memory_bytes, devices.platform)
     best = next((c.layout for c in ranked.fitting  # fastest first
                  if c.layout.stage == config.mesh.stage
-                 and c.layout.virtual_stages == config.pipeline.virtual_stages
+                 and c.layout.virtual_stages == shrunk.pipeline.virtual_stages
                  and is_legal(config, c.layout)), None)
     if best is None:
         raise CannotShrink(

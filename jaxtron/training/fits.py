@@ -28,6 +28,11 @@ def host_available_bytes() -> int | None:
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
+    return host_total_bytes()
+
+
+def host_total_bytes() -> int | None:
+    """Physical memory, or None where the system does not say."""
     try:
         return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):

@@ -29,6 +29,7 @@ import optax
 from flax import nnx
 
 from jaxtron.config.schema import Config
+from jaxtron.errors import ConfigError
 from jaxtron.models import transformer
 from jaxtron.pipeline.engine import pipeline_loss, pipeline_value_and_grad
 from jaxtron.pipeline.layer_split import join_stages, split_layers, split_over_stages
@@ -57,6 +58,10 @@ def _objective(aux: dict) -> dict:
 class StagedModel:
     def __init__(self, config: Config, mesh):
         c = config
+        if c.pipeline.schedule == "auto":
+            raise ConfigError("pipeline.schedule=auto is chosen by the command that starts the "
+                              "run (python -m jaxtron.train, bench, --dry-run); a trainer built "
+                              "in code needs a named schedule, e.g. pipeline.schedule=1f1b.")
         self.config, self.mesh = c, mesh
         p, v, m = c.mesh.stage, c.pipeline.virtual_stages, c.pipeline.microbatches
         # The stacked unit is a block, or for MoE every k-th layers a group of k blocks
