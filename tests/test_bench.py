@@ -97,8 +97,8 @@ def test_plain_reference_model_gives_jaxtrons_loss_with_the_same_weights():
     from flax import nnx
 
     from jaxtron import bench
-    from jaxtron.training import plain_llama
     from jaxtron.config.loading import load_config
+    from jaxtron.training import plain_llama
     from jaxtron.training.trainer import Trainer
 
     config = load_config("configs/tiny.yaml", ["model.num_layers=2", "model.d_model=64",

@@ -152,7 +152,7 @@ def test_ring_with_segment_ids_without_causal_mask():
 def test_ring_with_segment_ids_is_finite_where_a_tile_masks_a_row_whole(small_tiles):
     """Every token its own document: each row sees one key, so nearly every tile masks it
     whole; the output is v's own row (no NaN from an all-masked tile's online softmax)."""
-    mesh, n = sequence_mesh(), 4
+    mesh = sequence_mesh()
     q, k, v = qkv(kv_heads=2, length=32)
     ids = jnp.broadcast_to(jnp.arange(32, dtype=jnp.int32), (2, 32))
     sharding = NamedSharding(mesh, PartitionSpec("data", "sequence"))

@@ -26,7 +26,6 @@ from test_lowering import (
     shapes,
 )
 from test_mla import MLA
-from test_ring import assert_same_loss_and_grads, packed_segment_ids, sequence_mesh
 
 from jaxtron.errors import ConfigError
 from jaxtron.kernels.attention import Kernel, _run, attention
@@ -42,6 +41,7 @@ from jaxtron.training.flops import attended_keys, training_flops_per_token
 
 from attention_oracle import assert_matches, attention_and_grads
 from conftest import make_config
+from test_ring import assert_same_loss_and_grads, packed_segment_ids, sequence_mesh
 
 
 def numpy_attention(q, k, v, window, segment_ids=None):
