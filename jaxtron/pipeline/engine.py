@@ -2,13 +2,15 @@
 interleave in a single compiled loop, so 1F1B really holds at most ~p activations per rank.
 
 Every tick each rank looks up its job in the table and runs it under `lax.switch`
-(`jobs.py`), then all ranks call the same two collectives: `ppermute` to rank d + 1 and to rank
-d - 1, carrying the rank's one output the way the table says (around a ring the forward output
-to d + 1 and the input gradient to d - 1, the wrap-around carrying interleaved chunks from the
-last rank back to the first; in a V also the other ways, and the turn kept local); idle ranks
-send zeros. The first virtual stage (always on rank 0) embeds the microbatch's tokens and the
-last (on rank p - 1, or rank 0 in a V) computes its loss, so embedding and head gradients come
-out of the same loop.
+(`jobs.py`), then the tick's exchange: of the distinct exchanges the table makes
+(`ticks.exchange_patterns`), the one for this tick, chosen alike on every rank, with one
+`ppermute` per direction over just the pairs whose job's output goes that way (around a ring
+the forward output to d + 1 and the input gradient to d - 1, the wrap-around carrying
+interleaved chunks from the last rank back to the first; in a V also the other ways, and the
+turn kept local). Nothing is sent where nothing goes, and a rank that trades with no one at a
+tick waits for no one there. The first virtual stage (always on rank 0) embeds the
+microbatch's tokens and the last (on rank p - 1, or rank 0 in a V) computes its loss, so
+embedding and head gradients come out of the same loop.
 
 The parameters of the two ends arrive split evenly over the ranks, `[p, n/p, ...]` (SPMD
 programs give every rank the same shapes, so a table kept whole on its one user would cost its

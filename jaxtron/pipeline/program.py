@@ -14,12 +14,14 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
-from jaxtron.pipeline.ticks import DOWN, UP, Table
+from jaxtron.pipeline.ticks import Table, exchange_patterns
 from jaxtron.sharding.rules import manual_axes, shard_map_mesh, without_mesh_axis
 
 AXIS = "stage"
+EXCHANGE_SCOPE = "pipeline_exchange_ticks_"  # + "<n>_of_<ticks>": how often a branch runs
 REPLICA_AXES = ("data",)  # mesh axes over which parameters are replicated and the batch split
 TABLE_ARRAYS = ("kind", "microbatch", "chunk", "act_slot", "grad_slot", "recv_act", "recv_grad",
                 "w_slot", "recv_act_up", "recv_act_self", "recv_grad_down", "recv_grad_self",
@@ -84,8 +86,10 @@ class Program:
         self.tabs = {name: jnp.asarray(getattr(table, name)) for name in TABLE_ARRAYS}
         # The loss's rank: p - 1 around a ring, rank 0 at the top of a V.
         self.last_rank = 0 if table.v_shape else self.p - 1
-        self.forward_ring = [(d, (d + 1) % self.p) for d in range(self.p)]
-        self.backward_ring = [(d, (d - 1) % self.p) for d in range(self.p)]
+        # The exchanges the table makes, each with only the pairs that carry a value, and
+        # which one each tick makes (the same on every rank: a switch all ranks take alike).
+        self.patterns, pattern_of_tick = exchange_patterns(table)
+        self.pattern_of_tick = jnp.asarray(pattern_of_tick)
 
     # -- the map --------------------------------------------------------------------------
 
@@ -187,13 +191,11 @@ class Program:
         ring: forward outputs to d + 1, the last rank's to rank 0, input gradients to d - 1)
         and store what arrives (from d - 1, from d + 1, or in a V this rank's own turn at its
         bottom) where the table says, in `buffers` ({"acts": ..., "grads_in": ...}); the
-        table's scratch slot takes what goes nowhere."""
-        direction = self.at("send_dir", t, me)
-        none = jnp.zeros_like(out)
-        got_down = jax.lax.ppermute(jnp.where(direction == DOWN, out, none), AXIS,
-                                    self.forward_ring)
-        got_up = jax.lax.ppermute(jnp.where(direction == UP, out, none), AXIS,
-                                  self.backward_ring)
+        table's scratch slot takes what goes nowhere. Only the ranks the tick's pattern names
+        send: a rank that trades with no one waits for no one."""
+        got_down, got_up = jax.lax.switch(self.pattern_of_tick[t],
+                                          [self._trade(i) for i in range(len(self.patterns))],
+                                          out)
         writes = {"acts": (("recv_act", got_down), ("recv_act_up", got_up),
                            ("recv_act_self", out)),
                   "grads_in": (("recv_grad_down", got_down), ("recv_grad", got_up),
@@ -204,6 +206,21 @@ class Program:
                 buffer = buffer.at[self.at(slots, t, me)].set(value)
             out_buffers[name] = buffer
         return out_buffers
+
+    def _trade(self, index: int) -> Callable:
+        """The exchange of pattern `index`: one collective permute per direction that has
+        pairs (zeros arrive where none does). Its scope names how many of the table's ticks
+        make it, which the collective counter reads (`sharding/collectives.py`)."""
+        down, up = self.patterns[index]
+        share = int(np.sum(np.asarray(self.pattern_of_tick) == index))
+
+        def trade(out):
+            with jax.named_scope(f"{EXCHANGE_SCOPE}{share}_of_{self.table.ticks}"):
+                got_down = jax.lax.ppermute(out, AXIS, list(down)) if down else \
+                    jnp.zeros_like(out)
+                got_up = jax.lax.ppermute(out, AXIS, list(up)) if up else jnp.zeros_like(out)
+            return got_down, got_up
+        return trade
 
     # -- metrics --------------------------------------------------------------------------
 

@@ -53,7 +53,7 @@ def main(argv=None) -> int:
 
 
 def idle_shares(p: int, m: int, v: int) -> list[tuple[str, float, float, float, float]]:
-    """(schedule, formula idle, table bubble, lockstep idle recomputing, stored) of every
+    """(schedule, formula idle, table bubble, engine's idle recomputing, stored) of every
     schedule that runs at p stages and m microbatches (interleaved with v chunks)."""
     rows = []
     for schedule in SCHEDULES:
@@ -69,16 +69,16 @@ def idle_shares(p: int, m: int, v: int) -> list[tuple[str, float, float, float, 
 
 
 def side_by_side(p: int, m: int, v: int) -> str:
-    """Every schedule's formula idle next to its idle in this engine, where a tick ends when
-    a rank and both neighbours finish (`timeline.py`)."""
+    """Every schedule's formula idle next to its idle in this engine, where a rank waits at
+    a tick's end for the ranks it trades with then (`timeline.py`)."""
     lines = [f"every schedule at {p} stages, {m} microbatches: idle share by its formula "
-             "(ranks asynchronous) and in this engine (ranks in lockstep, jobs at their "
-             "lengths)",
-             f"  {'schedule':<16}{'formula':>9}{'table':>9}{'lockstep recomputing':>22}"
-             f"{'lockstep stored':>17}"]
+             "(ranks asynchronous) and in this engine (jobs at their lengths, each tick's "
+             "senders and receivers meeting at its end)",
+             f"  {'schedule':<16}{'formula':>9}{'table':>9}{'engine recomputing':>20}"
+             f"{'engine stored':>15}"]
     for name, formula, bubble, recomputing, stored in idle_shares(p, m, v):
-        lines.append(f"  {name:<16}{formula:>9.4f}{bubble:>9.4f}{recomputing:>22.4f}"
-                     f"{stored:>17.4f}")
+        lines.append(f"  {name:<16}{formula:>9.4f}{bubble:>9.4f}{recomputing:>20.4f}"
+                     f"{stored:>15.4f}")
     return "\n".join(lines)
 
 

@@ -3,11 +3,13 @@
 A table's bubble counts idle cells as if every job took one tick. They do not: a backward is
 about two forwards of work (the input gradient and the weight gradients), three when it runs
 the stage again from its input (`pipeline.recompute: true`), and a split schedule's B and W
-are about one each (B two with recomputation). The engine ends every tick with an exchange
-with rank d - 1 and rank d + 1 (two ring permutes), so a rank starts tick t + 1 only when it
-and both neighbours have finished tick t. A tick in which one rank runs a backward and its
-neighbour a forward costs the neighbour the difference: 1F1B's steady state mixes the two on
-every tick, GPipe's never does.
+are about one each (B two with recomputation). The engine ends every tick with an exchange in
+which only the ranks whose job's output goes to a neighbour take part (`ticks.exchange_patterns`:
+one collective permute per direction, over just those pairs), so a rank waits at the end of a
+tick only for the ranks it sends to or receives from then; a rank that trades with no one goes
+straight on. Asynchronous 1F1B's dependencies are exactly these pairs, so its idle share is its
+formula's (p-1)/(m+p-1); a table whose jobs differ in length across a pair that trades still
+stalls (interleaved's and the recomputing zero-bubble tables' neighbours).
 
 `step_units` walks the table with those job lengths and that rule; `weighted_idle` is the share
 of a rank's time spent waiting. On simulated CPU devices the ranks share the cores and a
@@ -19,7 +21,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxtron.pipeline.ticks import BACKWARD, FORWARD, IDLE, INPUT_GRAD, WEIGHT_GRAD, Table
+from jaxtron.pipeline.ticks import (
+    BACKWARD,
+    FORWARD,
+    IDLE,
+    INPUT_GRAD,
+    WEIGHT_GRAD,
+    Table,
+    receiver,
+)
 
 
 def job_units(recompute: bool) -> dict[int, float]:
@@ -37,14 +47,19 @@ def _cell_units(table: Table, recompute: bool) -> np.ndarray:
 
 
 def step_units(table: Table, recompute: bool = True) -> float:
-    """Length of the step: each tick starts when this rank and both ring neighbours have
-    finished the previous one."""
+    """Length of the step: after each tick, the two ranks of every send the table makes
+    there wait for each other; the others go on."""
     cells = _cell_units(table, recompute)
-    p = table.stages
-    finish = np.zeros(p)
-    for row in cells:
-        ready = np.maximum(finish, np.maximum(np.roll(finish, 1), np.roll(finish, -1)))
-        finish = ready + row
+    finish = np.zeros(table.stages)
+    for t, row in enumerate(cells):
+        finish = finish + row
+        met = finish.copy()
+        for sender in range(table.stages):
+            to = receiver(table, sender, int(table.send_dir[t, sender]))
+            if to is not None:
+                both = max(finish[sender], finish[to])
+                met[sender], met[to] = max(met[sender], both), max(met[to], both)
+        finish = met
     return float(finish.max())
 
 

@@ -5,7 +5,7 @@ The candidates are every schedule the engine runs at the config's stages and mic
 (interleaved and zbv with two chunks a rank, where the layers and microbatches allow it),
 each with the rest of the config as given. The planner predicts each one's memory
 (`memory.predict`) and step time (`cost.estimate`: compute stretched by the idle share the
-engine's lockstep ticks leave, `pipeline/timeline.py`); the fastest that fits wins, and where
+engine's ticks leave, `pipeline/timeline.py`); the fastest that fits wins, and where
 none fits, the one that needs least. The commands that start a run (`jaxtron.train`, its
 `--dry-run`, `jaxtron.bench`) resolve it before building the trainer and print the choice
 with its figures; a trainer built by hand needs a named schedule. A run that resumes keeps the
@@ -41,7 +41,7 @@ class Option:
     config: Config
     memory: int   # predicted bytes per device
     step_s: float
-    idle: float   # a rank's idle share in lockstep
+    idle: float   # a rank's idle share in this engine
 
     @property
     def name(self) -> str:
@@ -93,7 +93,7 @@ def choose(config: Config, devices: int, hardware: Hardware, budget: int | None,
     room = f" of {budget / gib:,.1f} GiB" if budget is not None else ""
     line = (f"pipeline.schedule=auto: {best.name}, the fastest that fits "
             f"({best.memory / gib:,.2f} GiB predicted per device{room}; idle "
-            f"{best.idle:.3f} in lockstep); the others' predicted step time: "
+            f"{best.idle:.3f}); the others' predicted step time: "
             f"{others or 'none runs here'}")
     if not fitting:
         line = line.replace("the fastest that fits", "none fits: the smallest")

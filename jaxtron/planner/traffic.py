@@ -38,9 +38,10 @@ microbatches) per step.
               backward (compute dtype), and the fp32 dk/dv on n hops; all-to-all sends
               (n-1)/n of q, k, v and the output forward and of their gradients backward; the
               weights' gradients are reduced over sequence like over data
-    stage     per schedule tick, the stage output forward and its gradient backward (idle
-              ranks send zeros), 2 A; per pass the embedding and head slices to the ranks that
-              use them, (p-1)/p^2 of each table, and their gradients back once per step
+    stage     A per send the tick table makes (a stage output forward, an input gradient
+              back; nothing where nothing goes), over p ranks; per pass the embedding and head
+              slices to the ranks that use them, (p-1)/p^2 of each table, and their gradients
+              back once per step
 
 `python -m jaxtron.planner.validate` sets these beside the counted bytes; data, fsdp, tensor,
 expert, sequence and stage are within 10% on its matrix.
@@ -55,6 +56,7 @@ import numpy as np
 
 from jaxtron.config.checks import kv_heads_per_rank
 from jaxtron.config.schema import Config
+from jaxtron.pipeline.ticks import transfers
 from jaxtron.planner.layout import Layout
 from jaxtron.planner.memory import (
     dropless_buffer_rows,
@@ -154,20 +156,21 @@ def _all_to_all(config: Config, layout: Layout, n: int) -> float:
 
 
 def _stage(config: Config, layout: Layout) -> tuple[float, float]:
-    """(bytes per run of the schedule, bytes per step) over `stage`. Every tick of the
-    schedule each rank sends its forward output on and its input gradient back (idle ranks
-    send zeros of the same shape): 2 A per tick. The embedding and head are stored split over
-    the p ranks: per pass the p-1 other slices of each travel to the rank that uses it,
-    (p-1)/p^2 of the table per device, and their gradients go back once per step."""
+    """(bytes per run of the schedule, bytes per step) over `stage`. Each send the tick table
+    makes carries one microbatch activation (or its gradient) A to a neighbour, and nothing
+    else is sent: `ticks.transfers` of them per run, transfers / p A per device. The
+    embedding and head are stored split over the p ranks: per pass the p-1 other slices of
+    each travel to the rank that uses it, (p-1)/p^2 of the table per device, and their
+    gradients go back once per step."""
     p = layout.stage
     if p == 1:
         return 0.0, 0.0
     m = config.model
     e = np.dtype(m.compute_dtype).itemsize
     tokens = microbatch_tokens(config, layout)
-    ticks = schedule_table(layout.schedule, p, layout.microbatches,
-                           layout.virtual_stages).ticks
-    per_pass = 2 * ticks * e * tokens * m.d_model
+    sends = transfers(schedule_table(layout.schedule, p, layout.microbatches,
+                                     layout.virtual_stages))
+    per_pass = sends / p * e * tokens * m.d_model
     ends = end_bytes(config, layout)  # per device, before the split over stages
     # the one table goes to both ends (in a V both are rank 0)
     ends *= 2 if m.tied_embeddings and layout.schedule != "zbv" else 1

@@ -65,7 +65,9 @@ TRAFFIC_MATRIX = (Layout(data=8), Layout(fsdp=8), Layout(data=2, tensor=4),
                   Layout(data=4, stage=2, microbatches=4, schedule="interleaved",
                          virtual_stages=2),
                   Layout(data=4, stage=2, microbatches=2, grad_accum=2),
-                  Layout(data=4, stage=2, microbatches=2, zero_stage=2, grad_accum=2))
+                  Layout(data=4, stage=2, microbatches=2, zero_stage=2, grad_accum=2),
+                  Layout(data=4, stage=2, microbatches=4, schedule="zb-h1"),
+                  Layout(data=4, stage=2, microbatches=4, schedule="zbv", virtual_stages=2))
 # Memory of mixture-of-experts layouts (4 experts, top-2 in every layer): capacity routing
 # with expert parallelism, inside a pipeline, and the dropless grouped matmul.
 MOE_MATRIX = ((Layout(data=2, expert=4), ()),

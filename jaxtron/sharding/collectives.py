@@ -9,7 +9,10 @@ counterpart of XLA's memory analysis.
 Every collective of the partitioned HLO module is found with the mesh axes its device groups
 span and the number of times it runs: a collective inside a `while` runs once per trip (XLA
 records `known_trip_count` on loops of static length), and of a conditional's branches the one
-that sends the most is counted (each pass runs one branch; this is an upper bound). Bytes are
+that sends the most is counted (each pass runs one branch; this is an upper bound), unless every
+branch's collectives name their share of the runs in their scope, as a pipeline's exchanges do
+(`pipeline_exchange_ticks_<n>_of_<ticks>`: the tick table says which tick takes which): then
+each branch counts at its share. Bytes are
 those a device sends with ring algorithms, the convention of the planner
 (`jaxtron/planner/cost.py`), for a collective over n devices on S bytes (the full array):
 
@@ -44,6 +47,7 @@ _ARRAY = re.compile(r"\b([a-z]+\d*[a-z0-9]*)\[([\d,]*)\]")
 _IDS = r"(?:\[[\d,]+\](?:T\([\d,]+\))?|[\d,\s]*)"  # device ids: an iota or a list
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _CALLEE = re.compile(r"\b(body|condition|calls|to_apply)=%?([\w.\-]+)")
+_SHARE = re.compile(r"pipeline_exchange_ticks_(\d+)_of_(\d+)")
 _BRANCHES = re.compile(r"\b(?:branch_computations=\{([^}]*)\}|"
                        r"(?:true|false)_computation=%?([\w.\-]+))")
 
@@ -139,8 +143,15 @@ def count_collectives(hlo_text: str, mesh) -> Traffic:
                     if role in ("body", "condition"):
                         found += visit(callee, times)
             elif op == "conditional":
-                branches = [visit(b, runs) for b in _branch_names(rest)]
-                found += max(branches, key=lambda cs: sum(c.sent for c in cs), default=[])
+                names = _branch_names(rest)
+                branches = [visit(b, runs) for b in names]
+                shares = [_shares(computations.get(b, ())) if cs else (0, 1)
+                          for b, cs in zip(names, branches)]
+                if branches and all(share is not None for share in shares):
+                    found += [dataclasses.replace(c, runs=runs * n // ticks)
+                              for cs, (n, ticks) in zip(branches, shares) for c in cs]
+                else:
+                    found += max(branches, key=lambda cs: sum(c.sent for c in cs), default=[])
             else:
                 for role, callee in _CALLEE.findall(rest):
                     if role == "calls":
@@ -148,6 +159,20 @@ def count_collectives(hlo_text: str, mesh) -> Traffic:
         return found
 
     return Traffic(tuple(visit(entry, 1)), unknown[0])
+
+
+def _shares(lines) -> tuple[int, int] | None:
+    """(n, ticks) a branch's collectives name as their share of its conditional's runs; None
+    where one names none, or they disagree."""
+    found = set()
+    for line in lines:
+        match = _INSTRUCTION.match(line)
+        if match and match.group(2).removesuffix("-start") in KINDS:
+            share = _SHARE.search(match.group(3))
+            if share is None:
+                return None
+            found.add((int(share.group(1)), int(share.group(2))))
+    return found.pop() if len(found) == 1 else None
 
 
 def _split_computations(text: str) -> dict[str, list[str]]:
