@@ -76,15 +76,18 @@ def build_table(schedule: str, stages: int, microbatches: int, virtual: int = 1)
     return table
 
 
-def formula_idle(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> float:
+def formula_idle(schedule: str, stages: int, microbatches: int, virtual: int = 1,
+                 recompute: bool = False) -> float:
     """The idle share each schedule's paper gives, ranks running asynchronously: (p-1)/(m+p-1)
-    for GPipe and 1F1B, (p-1)/(v*m+p-1) interleaved, (p-1)/(3m+p-1) for ZB-H1 (F = B = W);
-    ZB-V has no closed form here, so its greedy table's idle cells stand for it."""
+    for GPipe and 1F1B, (p-1)/(v*m+p-1) interleaved, whatever a backward's length; ZB-H1's
+    (p-1)(T_F + T_B - T_W) over m(T_F + T_B + T_W) plus that, with T_F = T_W = 1 and T_B one
+    more when recomputing: (p-1)/(3m+p-1) stored, (p-1)/(2m+p-1) recomputing. ZB-V has no
+    closed form here, so its greedy table's idle cells (F = B = W) stand for it."""
     p, m, v = stages, microbatches, virtual
     if p == 1:
         return 0.0
     if schedule == "zb-h1":
-        return bubble_formula(p, m)
+        return bubble_formula(p, m) if not recompute else (p - 1) / (2 * m + p - 1)
     if schedule == "zbv":
         return build_table("zbv", p, m).bubble
     return (p - 1) / ((v if schedule == "interleaved" else 1) * m + p - 1)

@@ -53,8 +53,8 @@ def main(argv=None) -> int:
 
 
 def idle_shares(p: int, m: int, v: int) -> list[tuple[str, float, float, float, float]]:
-    """(schedule, formula idle, table bubble, engine's idle recomputing, stored) of every
-    schedule that runs at p stages and m microbatches (interleaved with v chunks)."""
+    """(schedule, formula and engine idle recomputing, formula and engine idle stored) of
+    every schedule that runs at p stages and m microbatches (interleaved with v chunks)."""
     rows = []
     for schedule in SCHEDULES:
         if schedule == "interleaved" and m % p:
@@ -62,8 +62,9 @@ def idle_shares(p: int, m: int, v: int) -> list[tuple[str, float, float, float, 
         virtual = v if schedule == "interleaved" else 1
         table = build_table(schedule, p, m, virtual)
         rows.append((schedule if virtual == 1 else f"{schedule} v={virtual}",
-                     formula_idle(schedule, p, m, virtual), table.bubble,
+                     formula_idle(schedule, p, m, virtual, recompute=True),
                      timeline.weighted_idle(table, recompute=True),
+                     formula_idle(schedule, p, m, virtual, recompute=False),
                      timeline.weighted_idle(table, recompute=False)))
     return rows
 
@@ -74,11 +75,10 @@ def side_by_side(p: int, m: int, v: int) -> str:
     lines = [f"every schedule at {p} stages, {m} microbatches: idle share by its formula "
              "(ranks asynchronous) and in this engine (jobs at their lengths, each tick's "
              "senders and receivers meeting at its end)",
-             f"  {'schedule':<16}{'formula':>9}{'table':>9}{'engine recomputing':>20}"
-             f"{'engine stored':>15}"]
-    for name, formula, bubble, recomputing, stored in idle_shares(p, m, v):
-        lines.append(f"  {name:<16}{formula:>9.4f}{bubble:>9.4f}{recomputing:>20.4f}"
-                     f"{stored:>15.4f}")
+             f"  {'':<16}{'recomputing':>20}{'stored':>20}",
+             f"  {'schedule':<16}{'formula':>10}{'engine':>10}{'formula':>10}{'engine':>10}"]
+    for name, *shares in idle_shares(p, m, v):
+        lines.append(f"  {name:<16}" + "".join(f"{share:>10.4f}" for share in shares))
     return "\n".join(lines)
 
 
