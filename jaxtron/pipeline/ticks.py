@@ -19,6 +19,7 @@ The idle cells are the bubble.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 
 import numpy as np
 
@@ -214,13 +215,17 @@ def assign_slots(placed, ticks: int, p: int, v: int, m: int, done,
 
 def _allocate(events, p: int):
     """Smallest free slot per device, held from arrival (end of tick) to release (end of tick)."""
-    slot_of, busy_until = {}, [dict() for _ in range(p)]
+    slot_of, busy, free, count = {}, [[] for _ in range(p)], [[] for _ in range(p)], [0] * p
     for arrive, release, d, key in sorted(events):
-        free = [s for s, until in busy_until[d].items() if until <= arrive]
-        slot = min(free) if free else len(busy_until[d])
-        busy_until[d][slot] = release
+        while busy[d] and busy[d][0][0] <= arrive:  # released by now: free again
+            heapq.heappush(free[d], heapq.heappop(busy[d])[1])
+        if free[d]:
+            slot = heapq.heappop(free[d])
+        else:
+            slot, count[d] = count[d], count[d] + 1
+        heapq.heappush(busy[d], (release, slot))
         slot_of[key] = slot
-    return slot_of, max([len(b) for b in busy_until] + [1])
+    return slot_of, max(count + [1])
 
 
 def receiver(table: Table, sender: int, direction: int) -> int | None:

@@ -23,12 +23,13 @@ import numpy as np
 
 from jaxtron.pipeline.ticks import (
     BACKWARD,
+    DOWN,
     FORWARD,
     IDLE,
     INPUT_GRAD,
+    UP,
     WEIGHT_GRAD,
     Table,
-    receiver,
 )
 
 
@@ -50,16 +51,18 @@ def step_units(table: Table, recompute: bool = True) -> float:
     """Length of the step: after each tick, the two ranks of every send the table makes
     there wait for each other; the others go on."""
     cells = _cell_units(table, recompute)
+    ranks = np.arange(table.stages)
+    to = np.where(table.send_dir == DOWN, (ranks + 1) % table.stages,
+                  np.where(table.send_dir == UP, (ranks - 1) % table.stages, -1))
     finish = np.zeros(table.stages)
-    for t, row in enumerate(cells):
+    for row, receivers in zip(cells, to):
         finish = finish + row
-        met = finish.copy()
-        for sender in range(table.stages):
-            to = receiver(table, sender, int(table.send_dir[t, sender]))
-            if to is not None:
-                both = max(finish[sender], finish[to])
-                met[sender], met[to] = max(met[sender], both), max(met[to], both)
-        finish = met
+        senders = np.nonzero(receivers >= 0)[0]
+        if senders.size:
+            receivers = receivers[senders]
+            both = np.maximum(finish[senders], finish[receivers])
+            np.maximum.at(finish, senders, both)
+            np.maximum.at(finish, receivers, both)
     return float(finish.max())
 
 

@@ -24,6 +24,8 @@ stash slot, from which W forms the weight gradients.
 
 from __future__ import annotations
 
+import bisect
+
 from jaxtron.pipeline.ticks import (
     FORWARD,
     INPUT_GRAD,
@@ -77,6 +79,10 @@ def zbv_table(stages: int, microbatches: int) -> Table:
     done: dict[tuple[int, int, int], int] = {}
     placed: list[list[tuple[int, Action]]] = [[] for _ in range(p)]
     held, waiting_w = [0] * p, [[] for _ in range(p)]
+    # Forwards on a virtual stage run in microbatch order, so each stage's next is known;
+    # a rank's candidate B's are the chunk activations it holds (at most `cap`).
+    next_forward = [0] * (2 * p)
+    holding: list[list[tuple[int, int, int]]] = [[] for _ in range(p)]  # (mb, later?, vs)
     tick = 0
 
     def ready(key) -> bool:
@@ -84,18 +90,15 @@ def zbv_table(stages: int, microbatches: int) -> Table:
 
     def pick(d: int):
         stages_here = [virtual_stage(d, c, p, True) for c in (1, 0)]  # later stage first
-        for mb in range(m):
-            for vs in stages_here:
-                if ((INPUT_GRAD, mb, vs) not in done and ready((FORWARD, mb, vs))
-                        and (vs == last or ready((INPUT_GRAD, mb, vs + 1)))):
-                    return INPUT_GRAD, mb, vs
+        for mb, _, vs in holding[d]:  # in microbatch order, the later stage first
+            if (done[(FORWARD, mb, vs)] < tick
+                    and (vs == last or done.get((INPUT_GRAD, mb, vs + 1), tick) < tick)):
+                return INPUT_GRAD, mb, vs
         if held[d] < cap:
             for vs in stages_here:
-                for mb in range(m):
-                    if (FORWARD, mb, vs) not in done and (
-                            ready((FORWARD, mb, vs - 1)) if vs else
-                            all((FORWARD, k, 0) in done for k in range(mb))):
-                        return FORWARD, mb, vs
+                mb = next_forward[vs]
+                if mb < m and (ready((FORWARD, mb, vs - 1)) if vs else True):
+                    return FORWARD, mb, vs
         if waiting_w[d]:
             mb, vs = waiting_w[d][0]
             return WEIGHT_GRAD, mb, vs
@@ -112,8 +115,11 @@ def zbv_table(stages: int, microbatches: int) -> Table:
             placed[d].append((tick, Action(kind, mb, owner(vs, p, True)[1])))
             if kind == FORWARD:
                 held[d] += 1
+                next_forward[vs] += 1
+                bisect.insort(holding[d], (mb, vs < p, vs))
             elif kind == INPUT_GRAD:
                 waiting_w[d].append((mb, vs))
+                holding[d].remove((mb, vs < p, vs))
             else:
                 waiting_w[d].pop(0)
                 held[d] -= 1
