@@ -50,6 +50,7 @@ expert, sequence and stage are within 10% on its matrix.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import numpy as np
@@ -168,14 +169,19 @@ def _stage(config: Config, layout: Layout) -> tuple[float, float]:
     m = config.model
     e = np.dtype(m.compute_dtype).itemsize
     tokens = microbatch_tokens(config, layout)
-    sends = transfers(schedule_table(layout.schedule, p, layout.microbatches,
-                                     layout.virtual_stages))
+    sends = _sends(layout.schedule, p, layout.microbatches, layout.virtual_stages)
     per_pass = sends / p * e * tokens * m.d_model
     ends = end_bytes(config, layout)  # per device, before the split over stages
     # the one table goes to both ends (in a V both are rank 0)
     ends *= 2 if m.tied_embeddings and layout.schedule != "zbv" else 1
     moved = ends * (p - 1) / p ** 2
     return per_pass + moved, moved
+
+
+@functools.lru_cache(maxsize=4096)
+def _sends(schedule: str, stages: int, microbatches: int, virtual: int) -> int:
+    """A table's sends, counted once per shape: the planner asks for millions of layouts."""
+    return transfers(schedule_table(schedule, stages, microbatches, virtual))
 
 
 def _data_and_fsdp(out, layout: Layout, grads: float, passes: int, reduce_scatter: bool,
