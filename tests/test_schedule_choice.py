@@ -56,6 +56,19 @@ def test_a_budget_the_fastest_exceeds_takes_the_next_and_none_the_smallest():
     assert "none fits: the smallest" in line
 
 
+def test_simulated_devices_sharing_cores_take_the_least_work():
+    """On one machine's simulated devices a waiting rank's time goes to the others: the
+    idle stretch is no cost there, so the schedule with least work wins, not the smallest
+    bubble."""
+    config, cpu = tiny(), HARDWARE["cpu"]
+    found = options(config, resolve_degrees(config.mesh, 8), cpu, "cpu")
+    chosen, line = choose(config, 8, cpu, None, "cpu", shared_cores=True)
+    least = min(o.step_s - o.compute_s * o.idle / (1 - o.idle) for o in found)
+    picked = next(o for o in found if o.config == chosen)
+    assert picked.seconds(True) == least and "the least work that fits" in line
+    assert min(found, key=lambda o: o.step_s).idle < picked.idle  # not the smallest bubble
+
+
 def test_a_named_schedule_or_no_pipeline_is_left_alone():
     named = tiny("pipeline.schedule=zb-h1")
     assert choose(named, 8, HARDWARE["cpu"], None, "cpu") == (named, "")

@@ -10,7 +10,9 @@ none fits, the one that needs least. The commands that start a run (`jaxtron.tra
 `--dry-run`, `jaxtron.bench`) resolve it before building the trainer and print the choice
 with its figures; a trainer built by hand needs a named schedule. A run that resumes keeps the
 schedule its folder's run chose (`config.yaml`), so a restart never changes its layout.
-Simulated CPU devices count the host's physical memory, shared: the same choice every start.
+Simulated CPU devices count the host's physical memory, shared: the same choice every start;
+and since they share the host's cores too, a rank's idle time is not lost there, so the
+schedule with the least work wins.
 """
 
 from __future__ import annotations
@@ -42,6 +44,14 @@ class Option:
     memory: int   # predicted bytes per device
     step_s: float
     idle: float   # a rank's idle share in this engine
+    compute_s: float
+
+    def seconds(self, shared_cores: bool) -> float:
+        """The step, or where the ranks share one machine's cores (simulated CPU devices),
+        the step less its idle stretch: a waiting rank's time goes to the others, so the
+        least work is fastest."""
+        return self.step_s - (self.compute_s * self.idle / (1 - self.idle) if shared_cores
+                              else 0.0)
 
     @property
     def name(self) -> str:
@@ -66,14 +76,15 @@ def options(config: Config, degrees: dict[str, int], hardware: Hardware,
         layout = layout_of(candidate, degrees)
         cost = estimate(candidate, layout, hardware, platform)
         found.append(Option(candidate, predict(candidate, layout).total, cost.step_s,
-                            cost.idle))
+                            cost.idle, cost.compute_s))
     return found
 
 
 def choose(config: Config, devices: int, hardware: Hardware, budget: int | None,
-           platform: str) -> tuple[Config, str]:
+           platform: str, shared_cores: bool = False) -> tuple[Config, str]:
     """(config with its schedule named, the line that reports the choice); unchanged, with
-    no line, when the config names a schedule or has no pipeline."""
+    no line, when the config names a schedule or has no pipeline. `shared_cores`: the devices
+    are simulated on one machine (`Option.seconds`)."""
     if config.pipeline.schedule != AUTO or config.mesh.stage == 1:
         return config, ""
     degrees = resolve_degrees(config.mesh, devices)
@@ -83,21 +94,22 @@ def choose(config: Config, devices: int, hardware: Hardware, budget: int | None,
                           f"mesh.stage={config.mesh.stage} with pipeline.microbatches="
                           f"{config.pipeline.microbatches}; name one (pipeline.schedule=1f1b) "
                           "to see its check.")
+    seconds = {id(o): o.seconds(shared_cores) for o in found}
     fitting = [o for o in found if budget is None or o.memory <= budget]
-    best = (min(fitting, key=lambda o: o.step_s) if fitting
+    best = (min(fitting, key=lambda o: seconds[id(o)]) if fitting
             else min(found, key=lambda o: o.memory))
     gib = 2 ** 30
-    others = ", ".join(f"{o.name} {o.step_s / best.step_s:.2f}x"
+    others = ", ".join(f"{o.name} {seconds[id(o)] / seconds[id(best)]:.2f}x"
                        + ("" if o in fitting else " (does not fit)")
                        for o in found if o is not best)
     room = f" of {budget / gib:,.1f} GiB" if budget is not None else ""
-    line = (f"pipeline.schedule=auto: {best.name}, the fastest that fits "
-            f"({best.memory / gib:,.2f} GiB predicted per device{room}; idle "
-            f"{best.idle:.3f}); the others' predicted step time: "
-            f"{others or 'none runs here'}")
-    if not fitting:
-        line = line.replace("the fastest that fits", "none fits: the smallest")
-    return best.config, line
+    why = "the fastest that fits" if fitting else "none fits: the smallest"
+    if shared_cores and fitting:
+        why = "the least work that fits (simulated devices share this machine's cores)"
+    return best.config, (f"pipeline.schedule=auto: {best.name}, {why} "
+                         f"({best.memory / gib:,.2f} GiB predicted per device{room}; idle "
+                         f"{best.idle:.3f}); the others' predicted step time: "
+                         f"{others or 'none runs here'}")
 
 
 def hardware_of(platform: str, device_kind: str) -> Hardware:
@@ -126,18 +138,19 @@ def for_this_run(config: Config, target: str | None = None) -> tuple[Config, str
     else:
         hardware, budget = hardware_of(here, devices[0].device_kind), device_bytes(devices[0])
     planner_platform = platform if platform in ("cpu", "tpu") else "gpu"
-    return resolve(config, jax.device_count(), hardware, budget, planner_platform)
+    return resolve(config, jax.device_count(), hardware, budget, planner_platform,
+                   shared_cores=platform == "cpu" == here)
 
 
 def resolve(config: Config, devices: int, hardware: Hardware, budget: int | None,
-            platform: str) -> tuple[Config, str]:
+            platform: str, shared_cores: bool = False) -> tuple[Config, str]:
     """The choice of the run this start continues, else `choose`'s."""
     if config.pipeline.schedule != AUTO or config.mesh.stage == 1:
         return config, ""
     resumed = _resumed_choice(config)
     if resumed is not None:
         return resumed
-    return choose(config, devices, hardware, budget, platform)
+    return choose(config, devices, hardware, budget, platform, shared_cores)
 
 
 def _resumed_choice(config: Config) -> tuple[Config, str] | None:
