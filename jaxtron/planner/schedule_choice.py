@@ -92,8 +92,8 @@ def choose(config: Config, devices: int, hardware: Hardware, budget: int | None,
     if not found:
         raise ConfigError(f"pipeline.schedule=auto found no schedule that runs "
                           f"mesh.stage={config.mesh.stage} with pipeline.microbatches="
-                          f"{config.pipeline.microbatches}; name one (pipeline.schedule=1f1b) "
-                          "to see its check.")
+                          f"{config.pipeline.microbatches}; set one, e.g. "
+                          "pipeline.schedule=1f1b, and its check names what it needs.")
     seconds = {id(o): o.seconds(shared_cores) for o in found}
     fitting = [o for o in found if budget is None or o.memory <= budget]
     best = (min(fitting, key=lambda o: seconds[id(o)]) if fitting
