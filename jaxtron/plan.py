@@ -22,11 +22,13 @@ from pathlib import Path
 
 from jaxtron.config.flags import above, at_least
 from jaxtron.config.loading import dump_config, load_config, parse_override
+from jaxtron.config.platforms import local_platform
 from jaxtron.errors import ConfigError, exits_on_user_error
 from jaxtron.planner.hardware import HARDWARE
 from jaxtron.planner.layout import Layout, apply
 from jaxtron.planner.memory import memory_budget_bytes
 from jaxtron.planner.search import plan
+from jaxtron.training.flops import measure_cpu_peak
 
 # Every config key a layout sets names the Layout field of the same name (mesh.tensor -> tensor).
 LAYOUT_KEYS = {key: key.split(".")[1] for key in Layout(
@@ -111,6 +113,9 @@ def main(argv=None) -> int:
     config = load_config(args.config, args.overrides)
     _check_flags(args)
     hardware = HARDWARE[args.hardware]
+    if hardware.shared_cores and args.peak_tflops is None and local_platform() == "cpu":
+        # this machine's rate, shared by the simulated devices
+        hardware = dataclasses.replace(hardware, peak_flops=measure_cpu_peak() / args.devices)
     scaled = lambda value, unit: None if value is None else value * unit  # noqa: E731
     changes = {"peak_flops": scaled(args.peak_tflops, 1e12),
                "intra_bw": scaled(args.intra_bw, 1e9), "inter_bw": scaled(args.inter_bw, 1e9),

@@ -2,6 +2,8 @@
 the same one the planner's full search ranks first for that layout; a resumed run keeps its
 folder's choice; a trainer built in code must name one."""
 
+import dataclasses
+
 import pytest
 
 from jaxtron.config.loading import load_config
@@ -57,16 +59,18 @@ def test_a_budget_the_fastest_exceeds_takes_the_next_and_none_the_smallest():
 
 
 def test_simulated_devices_sharing_cores_take_the_least_work():
-    """On one machine's simulated devices a waiting rank's time goes to the others: the
-    idle stretch is no cost there, so the schedule with least work wins, not the smallest
-    bubble."""
+    """On one machine's simulated devices a waiting rank's time goes to the others: the idle
+    stretch is no cost there (`Hardware.shared_cores`), so the schedule with least work wins,
+    where devices of their own take the smallest idle."""
     config, cpu = tiny(), HARDWARE["cpu"]
-    found = options(config, resolve_degrees(config.mesh, 8), cpu, "cpu")
-    chosen, line = choose(config, 8, cpu, None, "cpu", shared_cores=True)
-    least = min(o.step_s - o.compute_s * o.idle / (1 - o.idle) for o in found)
-    picked = next(o for o in found if o.config == chosen)
-    assert picked.seconds(True) == least and "the least work that fits" in line
-    assert min(found, key=lambda o: o.step_s).idle < picked.idle  # not the smallest bubble
+    own = dataclasses.replace(cpu, shared_cores=False)
+    degrees = resolve_degrees(config.mesh, 8)
+    shared, line = choose(config, 8, cpu, None, "cpu")
+    apart, _ = choose(config, 8, own, None, "cpu")
+    by_name = {o.config.pipeline.schedule: o for o in options(config, degrees, cpu, "cpu")}
+    assert by_name[shared.pipeline.schedule].step_s == min(o.step_s for o in by_name.values())
+    assert "the least work that fits" in line
+    assert by_name[apart.pipeline.schedule].idle < by_name[shared.pipeline.schedule].idle
 
 
 def test_a_named_schedule_or_no_pipeline_is_left_alone():

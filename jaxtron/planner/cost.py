@@ -108,7 +108,8 @@ def estimate(config: Config, layout: Layout, hardware: Hardware, platform: str =
     # compute like the data-parallel reductions
     host = host_seconds(config, layout, hardware)
     hidden = max(0.0, seconds["data"] + seconds["fsdp"] + host - compute * 2 / 3)
-    step = compute / (1 - idle) + critical + hidden
+    stretch = 1.0 if hardware.shared_cores else 1 / (1 - idle)  # see Hardware.shared_cores
+    step = compute * stretch + critical + hidden
     mfu = model_flops / step / (layout.devices * hardware.peak_flops)
     return Cost(volumes, seconds, bubble, idle, compute, step, mfu)
 

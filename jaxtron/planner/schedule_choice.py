@@ -11,8 +11,8 @@ none fits, the one that needs least. The commands that start a run (`jaxtron.tra
 with its figures; a trainer built by hand needs a named schedule. A run that resumes keeps the
 schedule its folder's run chose (`config.yaml`), so a restart never changes its layout.
 Simulated CPU devices count the host's physical memory, shared: the same choice every start;
-and since they share the host's cores too, a rank's idle time is not lost there, so the
-schedule with the least work wins.
+and since they share the host's cores too (`Hardware.shared_cores`), a rank's idle time is not
+lost there, so the schedule with the least work wins.
 """
 
 from __future__ import annotations
@@ -44,14 +44,6 @@ class Option:
     memory: int   # predicted bytes per device
     step_s: float
     idle: float   # a rank's idle share in this engine
-    compute_s: float
-
-    def seconds(self, shared_cores: bool) -> float:
-        """The step, or where the ranks share one machine's cores (simulated CPU devices),
-        the step less its idle stretch: a waiting rank's time goes to the others, so the
-        least work is fastest."""
-        return self.step_s - (self.compute_s * self.idle / (1 - self.idle) if shared_cores
-                              else 0.0)
 
     @property
     def name(self) -> str:
@@ -76,15 +68,14 @@ def options(config: Config, degrees: dict[str, int], hardware: Hardware,
         layout = layout_of(candidate, degrees)
         cost = estimate(candidate, layout, hardware, platform)
         found.append(Option(candidate, predict(candidate, layout).total, cost.step_s,
-                            cost.idle, cost.compute_s))
+                            cost.idle))
     return found
 
 
 def choose(config: Config, devices: int, hardware: Hardware, budget: int | None,
-           platform: str, shared_cores: bool = False) -> tuple[Config, str]:
+           platform: str) -> tuple[Config, str]:
     """(config with its schedule named, the line that reports the choice); unchanged, with
-    no line, when the config names a schedule or has no pipeline. `shared_cores`: the devices
-    are simulated on one machine (`Option.seconds`)."""
+    no line, when the config names a schedule or has no pipeline."""
     if config.pipeline.schedule != AUTO or config.mesh.stage == 1:
         return config, ""
     degrees = resolve_degrees(config.mesh, devices)
@@ -94,17 +85,16 @@ def choose(config: Config, devices: int, hardware: Hardware, budget: int | None,
                           f"mesh.stage={config.mesh.stage} with pipeline.microbatches="
                           f"{config.pipeline.microbatches}; set one, e.g. "
                           "pipeline.schedule=1f1b, and its check names what it needs.")
-    seconds = {id(o): o.seconds(shared_cores) for o in found}
     fitting = [o for o in found if budget is None or o.memory <= budget]
-    best = (min(fitting, key=lambda o: seconds[id(o)]) if fitting
+    best = (min(fitting, key=lambda o: o.step_s) if fitting
             else min(found, key=lambda o: o.memory))
     gib = 2 ** 30
-    others = ", ".join(f"{o.name} {seconds[id(o)] / seconds[id(best)]:.2f}x"
+    others = ", ".join(f"{o.name} {o.step_s / best.step_s:.2f}x"
                        + ("" if o in fitting else " (does not fit)")
                        for o in found if o is not best)
     room = f" of {budget / gib:,.1f} GiB" if budget is not None else ""
     why = "the fastest that fits" if fitting else "none fits: the smallest"
-    if shared_cores and fitting:
+    if hardware.shared_cores and fitting:
         why = "the least work that fits (simulated devices share this machine's cores)"
     return best.config, (f"pipeline.schedule=auto: {best.name}, {why} "
                          f"({best.memory / gib:,.2f} GiB predicted per device{room}; idle "
@@ -138,19 +128,18 @@ def for_this_run(config: Config, target: str | None = None) -> tuple[Config, str
     else:
         hardware, budget = hardware_of(here, devices[0].device_kind), device_bytes(devices[0])
     planner_platform = platform if platform in ("cpu", "tpu") else "gpu"
-    return resolve(config, jax.device_count(), hardware, budget, planner_platform,
-                   shared_cores=platform == "cpu" == here)
+    return resolve(config, jax.device_count(), hardware, budget, planner_platform)
 
 
 def resolve(config: Config, devices: int, hardware: Hardware, budget: int | None,
-            platform: str, shared_cores: bool = False) -> tuple[Config, str]:
+            platform: str) -> tuple[Config, str]:
     """The choice of the run this start continues, else `choose`'s."""
     if config.pipeline.schedule != AUTO or config.mesh.stage == 1:
         return config, ""
     resumed = _resumed_choice(config)
     if resumed is not None:
         return resumed
-    return choose(config, devices, hardware, budget, platform, shared_cores)
+    return choose(config, devices, hardware, budget, platform)
 
 
 def _resumed_choice(config: Config) -> tuple[Config, str] | None:

@@ -90,8 +90,7 @@ def shrink_within(config: Config, before: int, after: int,
         return overrides
     count = after * devices.per_process
     shrunk, _ = schedule_choice.resolve(_shrunk(config, overrides, after), count,
-                                        devices.hardware, devices.memory_bytes, devices.platform,
-                                        shared_cores=devices.platform == "cpu")
+                                        devices.hardware, devices.memory_bytes, devices.platform)
     layout = layout_of(shrunk, resolve_degrees(shrunk.mesh, count))
     on_platform = for_platform(shrunk, "cuda" if devices.platform == "gpu" else devices.platform)
     if predict(on_platform, layout).total <= devices.memory_bytes:
