@@ -90,6 +90,7 @@ class Program:
         # which one each tick makes (the same on every rank: a switch all ranks take alike).
         self.patterns, pattern_of_tick = exchange_patterns(table)
         self.pattern_of_tick = jnp.asarray(pattern_of_tick)
+        self.pattern_shares = np.bincount(pattern_of_tick, minlength=len(self.patterns))
 
     # -- the map --------------------------------------------------------------------------
 
@@ -212,7 +213,7 @@ class Program:
         pairs (zeros arrive where none does). Its scope names how many of the table's ticks
         make it, which the collective counter reads (`sharding/collectives.py`)."""
         down, up = self.patterns[index]
-        share = int(np.sum(np.asarray(self.pattern_of_tick) == index))
+        share = int(self.pattern_shares[index])
 
         def trade(out):
             with jax.named_scope(f"{EXCHANGE_SCOPE}{share}_of_{self.table.ticks}"):

@@ -228,34 +228,33 @@ def _allocate(events, p: int):
     return slot_of, max(count + [1])
 
 
-def receiver(table: Table, sender: int, direction: int) -> int | None:
-    """The rank a `direction` send from `sender` reaches: around a ring d + 1 / d - 1 (the
-    last rank's DOWN wrapping to rank 0); in a V the neighbour, or None for SELF and
-    NOWHERE (no collective)."""
-    p = table.stages
-    if direction == DOWN:
-        return (sender + 1) % p
-    if direction == UP:
-        return (sender - 1) % p
-    return None
+def receivers(table: Table) -> np.ndarray:
+    """The rank each tick's send from each rank reaches, [ticks, stages], -1 for none: around
+    a ring d + 1 / d - 1 (the last rank's DOWN wrapping to rank 0); in a V the neighbour.
+    SELF and NOWHERE make no collective."""
+    ranks = np.arange(table.stages)
+    return np.where(table.send_dir == DOWN, (ranks + 1) % table.stages,
+                    np.where(table.send_dir == UP, (ranks - 1) % table.stages, -1))
 
 
 def exchange_patterns(table: Table) -> tuple[list[tuple[tuple, tuple]], np.ndarray]:
     """The distinct exchanges of a table and which one each tick makes: ([(DOWN pairs, UP
     pairs)], pattern index per tick), a pair being (sender, receiver). Only the ranks whose
     job's output goes to a neighbour are in a pattern: a tick sends nothing it does not need."""
+    to = receivers(table)
     patterns: dict[tuple[tuple, tuple], int] = {}
     index = np.zeros(table.ticks, np.int32)
     for t in range(table.ticks):
-        pairs = tuple(tuple((d, receiver(table, d, direction)) for d in range(table.stages)
-                            if table.send_dir[t, d] == direction) for direction in (DOWN, UP))
+        pairs = tuple(tuple((int(d), int(to[t, d]))
+                            for d in np.nonzero(table.send_dir[t] == direction)[0])
+                      for direction in (DOWN, UP))
         index[t] = patterns.setdefault(pairs, len(patterns))
     return list(patterns), index
 
 
 def transfers(table: Table) -> int:
     """Sends to another rank over the whole table (a V's turn at its bottom stays local)."""
-    return int(np.isin(table.send_dir, (DOWN, UP)).sum())
+    return int((receivers(table) >= 0).sum())
 
 
 def render(table: Table) -> str:

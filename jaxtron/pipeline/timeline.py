@@ -23,13 +23,12 @@ import numpy as np
 
 from jaxtron.pipeline.ticks import (
     BACKWARD,
-    DOWN,
     FORWARD,
     IDLE,
     INPUT_GRAD,
-    UP,
     WEIGHT_GRAD,
     Table,
+    receivers,
 )
 
 
@@ -51,18 +50,14 @@ def step_units(table: Table, recompute: bool = True) -> float:
     """Length of the step: after each tick, the two ranks of every send the table makes
     there wait for each other; the others go on."""
     cells = _cell_units(table, recompute)
-    ranks = np.arange(table.stages)
-    to = np.where(table.send_dir == DOWN, (ranks + 1) % table.stages,
-                  np.where(table.send_dir == UP, (ranks - 1) % table.stages, -1))
     finish = np.zeros(table.stages)
-    for row, receivers in zip(cells, to):
+    for row, to in zip(cells, receivers(table)):
         finish = finish + row
-        senders = np.nonzero(receivers >= 0)[0]
+        senders = np.nonzero(to >= 0)[0]
         if senders.size:
-            receivers = receivers[senders]
-            both = np.maximum(finish[senders], finish[receivers])
+            both = np.maximum(finish[senders], finish[to[senders]])
             np.maximum.at(finish, senders, both)
-            np.maximum.at(finish, receivers, both)
+            np.maximum.at(finish, to[senders], both)
     return float(finish.max())
 
 

@@ -33,7 +33,7 @@ REMATS = ("none", "save_dots", "full", "offload")  # offload: not on CPUs (no ho
 class Candidate:
     layout: Layout
     memory: Memory
-    cost: Cost
+    cost: Cost | None
 
 
 def divisors(n: int) -> list[int]:
@@ -136,12 +136,16 @@ def _variants(config: Config, mesh: Layout, remats: tuple[str, ...]):
                                       recompute=recompute)
 
 
-def candidates(config: Config, devices: int, hardware: Hardware, platform: str = "gpu"):
+def candidates(config: Config, devices: int, hardware: Hardware, platform: str = "gpu",
+               budget: float = float("inf")):
+    """Every layout with its predicted memory, and its step time where the memory fits
+    `budget` (a layout that cannot run needs no timing: cost None)."""
     remats = REMATS if platform != "cpu" else REMATS[:-1]
     for mesh in _meshes(config, devices, hardware.node_size):
         for layout in _variants(config, mesh, remats):
-            yield Candidate(layout, predict(config, layout),
-                            estimate(config, layout, hardware, platform))
+            memory = predict(config, layout)
+            yield Candidate(layout, memory, estimate(config, layout, hardware, platform)
+                            if memory.total <= budget else None)
 
 
 def is_legal(config: Config, layout: Layout) -> bool:
@@ -179,9 +183,9 @@ def plan(config: Config, devices: int, hardware: Hardware, budget: int,
     # The planner's "gpu" is a CUDA machine; `model.dtype: auto` then means bf16.
     config = for_platform(config, "cuda" if platform == "gpu" else platform)
     considered, fitting = 0, []
-    for candidate in candidates(config, devices, hardware, platform):
+    for candidate in candidates(config, devices, hardware, platform, budget):
         considered += 1
-        if candidate.memory.total <= budget:
+        if candidate.cost is not None:
             fitting.append(candidate)
     # Among equally fast layouts prefer fewer moving parts: no accumulation, no recompute,
     # no ZeRO, no sequence parallelism; then less memory.
