@@ -1,11 +1,15 @@
-"""The README's commands work in the order shown: each shell block is run, at tiny sizes.
+"""The README's commands, and every docs page's, work in the order shown: each shell block is
+run, at tiny sizes.
 
 Commands run in a scratch folder that links the project's configs/, examples/, jaxtron/ and
 scripts/, so the runs, data and exports they write land there, as they would in a fresh clone.
-Blocks introduced as needing a GPU or a cluster are skipped (their code is covered by the
-lowering tests, tests/test_gpu.py and tests/test_multihost.py), and so are `make test` (this
-suite) and activating the environment (the tests already run inside it). Everything else runs,
-with overrides appended that shrink each training run to a few steps. A `python -m jaxtron.X`
+Blocks introduced (in their paragraph or section heading) as needing a GPU, a cluster or a
+download are skipped, and so is a line whose comment says it runs on a GPU (their code is covered
+by the lowering tests, tests/test_gpu.py, tests/test_multihost.py and tests/test_hf_oracle.py), and
+so are `make test` (this suite) and activating the environment (the tests already run inside
+it). Everything else runs, shrunk: every step count of a training command (`train.steps`, its
+config's own, `checkpoint.every`, an export's `--step`) is divided by 50, so a page's resumes and
+exports keep their meaning at a few steps, and benchmarks time one step. A `python -m jaxtron.X`
 command whose shell sees this process's devices runs in this process (its `main`, as the
 module's `__main__` calls it, in the scratch folder, output captured); the rest, such as
 `--devices` checks that must start JAX afresh, run as their own processes.
@@ -24,17 +28,25 @@ from pathlib import Path
 import jax
 import pytest
 
+from jaxtron.config.loading import load_config
+
 from conftest import FAST_COMPILE_FLAGS
 
 ROOT = Path(__file__).parent.parent
-HARDWARE = {"On a machine with an NVIDIA GPU": "needs an NVIDIA GPU",
-            "On a cluster": "needs a cluster"}
+# What a block's paragraph or section heading says it needs -> why it is not run here.
+HARDWARE = {r"On a machine with (an|one) NVIDIA GPU": "needs an NVIDIA GPU",
+            r"On a cluster|Under SLURM|on \d+ nodes": "needs a cluster",
+            r"Import from Hugging Face": "needs a model downloaded from Hugging Face (the "
+                                         "README's walkthrough imports one it exported)",
+            r"another transformers release": "installs transformers and torch"}
+ON_A_GPU = re.compile(r"#\s*on (a|an|one) .*GPU")  # a line's own comment
 NOT_RUN = {"make test": "this suite", "source .venv/bin/activate": "the tests run inside it"}
-# Appended to shrink a command; later overrides win.
-TINY = {"jaxtron.train": ["train.steps=3", "train.log_every=1", "train.eval_batches=1",
-                          "data.builtin_max_bytes=400000"],
+# Appended to shrink a command (the training flags also to a launch's job); later overrides win.
+TRAINING = ["train.log_every=1", "train.eval_batches=1", "data.builtin_max_bytes=400000"]
+TINY = {"jaxtron.train": TRAINING, "jaxtron.launch": TRAINING,
         "jaxtron.bench": ["--warmup", "1", "--steps", "1", "--repeats", "1"],
         "jaxtron.data.throughput": ["--batches", "5", "data.builtin_max_bytes=400000"]}
+STEP_SCALE = 50  # step counts divided by this (at least 1): the tiny config's 200 steps -> 4
 
 
 def readme_commands(page: str = "README.md") -> list[tuple[str, str | None]]:
@@ -42,17 +54,38 @@ def readme_commands(page: str = "README.md") -> list[tuple[str, str | None]]:
     text = (ROOT / page).read_text()
     commands = []
     for match in re.finditer(r"```bash\n(.*?)```", text, re.S):
-        before = text[:match.start()].rstrip().rsplit("\n\n", 1)[-1]
-        hardware = next((h for h in HARDWARE if h in before), None)
+        above = text[:match.start()].rstrip()
+        heading = (re.findall(r"^#+ .*$", above, re.M) or [""])[-1]
+        before = heading + "\n" + above.rsplit("\n\n", 1)[-1]
+        needs = next((why for phrase, why in HARDWARE.items() if re.search(phrase, before)),
+                     None)
         for line in match.group(1).replace("\\\n", " ").splitlines():
-            line = line.split("  #")[0].strip()
-            if line:
-                why = HARDWARE[hardware] if hardware else NOT_RUN.get(line)
-                commands.append((line, why))
+            line, _, comment = line.partition("  #")
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            gpu = "needs an NVIDIA GPU" if ON_A_GPU.search("#" + comment) else None
+            for command in line.split(" && "):
+                commands.append((command, needs or gpu or NOT_RUN.get(command)))
     return commands
 
 
-def as_argv(line: str) -> tuple[dict, list[str]]:
+def shrunk_steps(words: list[str], cwd: Path) -> list[str]:
+    """A command's step counts divided by STEP_SCALE: its `train.steps=`, `checkpoint.every=`
+    and `--step`, and, for a training command that names none, its config's `train.steps`."""
+    def scaled(count: str) -> str:
+        return str(max(1, int(count) // STEP_SCALE))
+    out = [re.sub(r"^(train\.steps|checkpoint\.every)=(\d+)$",
+                  lambda m: f"{m.group(1)}={scaled(m.group(2))}", w) for w in words]
+    out = [scaled(w) if i and out[i - 1] == "--step" else w for i, w in enumerate(out)]
+    trains = out[2:3] in (["jaxtron.train"], ["jaxtron.launch"]) and "--config" in out
+    if trains and not any(w.startswith("train.steps=") for w in out) and "--dry-run" not in out:
+        config = load_config(str(cwd / out[out.index("--config") + 1]), [])
+        out.append(f"train.steps={scaled(config.train.steps)}")
+    return out
+
+
+def as_argv(line: str, cwd: Path) -> tuple[dict, list[str]]:
     """Leading VAR=value words become environment; `make train` its python command."""
     words, env = shlex.split(line), {}
     while words and re.fullmatch(r"[A-Z_]+=.*", words[0]):
@@ -64,7 +97,7 @@ def as_argv(line: str) -> tuple[dict, list[str]]:
     if words[0] == "python":
         words[0] = sys.executable
         module = words[2] if words[1] == "-m" else ""
-        words += TINY.get(module, [])
+        words = shrunk_steps(words + TINY.get(module, []), cwd)
     return env, words
 
 
@@ -91,7 +124,7 @@ def run_in_process(argv: list[str], cwd: Path) -> tuple[int, str, str]:
 
 
 def run(line: str, env: dict, cwd: Path) -> tuple[int, str, str]:
-    extra_env, argv = as_argv(line)
+    extra_env, argv = as_argv(line, cwd)
     env = {**env, **extra_env}
     fresh_jax = argv[2:3] == ["jaxtron.train"] and "--devices" in argv  # simulates devices
     here = (argv[1:2] == ["-m"] and argv[2].startswith("jaxtron.") and not fresh_jax
@@ -117,6 +150,7 @@ def run_in_order(commands, tmp_path: Path) -> list[str]:
         if line.startswith("export "):
             key, value = line.removeprefix("export ").split("=", 1)
             shell[key] = value
+            ran.append(line)
             continue
         status, stdout, stderr = run(line, shell, tmp_path)
         assert status == 0, f"{line}\n{stdout[-2000:]}\n{stderr[-3000:]}"
@@ -137,6 +171,28 @@ def test_every_readme_command_runs_in_order(tmp_path):
                if line not in NOT_RUN), skipped
 
 
-@pytest.mark.parametrize("page", ["docs/long-context.md"])
+DOCS = sorted(str(page.relative_to(ROOT)) for page in (ROOT / "docs").glob("*.md")
+              if "```bash" in page.read_text())
+
+
+@pytest.mark.parametrize("page", DOCS)
 def test_every_command_of_a_docs_page_runs_in_order(page, tmp_path):
-    assert run_in_order(readme_commands(page), tmp_path)
+    commands = readme_commands(page)
+    ran = run_in_order(commands, tmp_path)
+    assert len(ran) + sum(1 for _, why in commands if why) == len(commands)
+    assert commands and all(why in HARDWARE.values() for _, why in commands if why), commands
+
+
+def test_the_pages_mark_what_cannot_run_here():
+    """The markers are read as the page means them: its GPU, cluster and download lines are
+    skipped with their reason, and every CPU command of the pages runs."""
+    why = {page: dict(readme_commands(page)) for page in DOCS}
+    assert why["docs/megatron.md"] and all(w == "needs a cluster"
+                                           for w in why["docs/megatron.md"].values())
+    performance = why["docs/performance.md"]
+    assert [w for line, w in performance.items() if "llama3-8b.yaml model" in line] == [
+        "needs an NVIDIA GPU"]
+    assert performance["scripts/gpu_check.sh"] == "needs an NVIDIA GPU"
+    launches = {line: w for line, w in why["docs/multihost.md"].items() if "jaxtron.launch" in line}
+    assert sorted(launches.values(), key=str) == [None, "needs a cluster"], launches
+    assert any("installs transformers" in str(w) for w in why["docs/checkpoints.md"].values())
