@@ -353,8 +353,7 @@ def predict(config: Config, layout: Layout) -> Memory:
         activations = in_flight * stage_input + chunk * kept + working + end_bytes(config,
                                                                                    layout)
         if layout.schedule in ("zb-h1", "zbv"):  # B's stashes (a chunk's activations)
-            activations += zb_stashes(layout) * chunk * layer_activation_bytes(
-                config, layout, tokens, "none")
+            activations += zb_stashes(layout) * chunk * unsaved
         if not layout.recompute:  # each forward's residuals until its backward
             # the ends' behind their conditionals too: norms and the head's logits
             ends = e * tokens * 3 * m.d_model + 4 * tokens * m.vocab_size / layout.tensor
