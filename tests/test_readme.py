@@ -35,7 +35,7 @@ from conftest import FAST_COMPILE_FLAGS
 ROOT = Path(__file__).parent.parent
 # What a block's paragraph or section heading says it needs -> why it is not run here.
 HARDWARE = {r"On a machine with (an|one) NVIDIA GPU": "needs an NVIDIA GPU",
-            r"On a cluster|Under SLURM|on \d+ nodes": "needs a cluster",
+            r"On a cluster|Under SLURM|on \d+ nodes|two\s+hosts": "needs a cluster",
             r"Import from Hugging Face": "needs a model downloaded from Hugging Face (the "
                                          "README's walkthrough imports one it exported)",
             r"another transformers release": "installs transformers and torch"}
@@ -54,7 +54,7 @@ def readme_commands(page: str = "README.md") -> list[tuple[str, str | None]]:
     text = (ROOT / page).read_text()
     commands = []
     for match in re.finditer(r"```bash\n(.*?)```", text, re.S):
-        above = text[:match.start()].rstrip()
+        above = re.sub(r"```.*?```", "", text[:match.start()], flags=re.S).rstrip()
         heading = (re.findall(r"^#+ .*$", above, re.M) or [""])[-1]
         before = heading + "\n" + above.rsplit("\n\n", 1)[-1]
         needs = next((why for phrase, why in HARDWARE.items() if re.search(phrase, before)),
@@ -73,13 +73,14 @@ def readme_commands(page: str = "README.md") -> list[tuple[str, str | None]]:
 def shrunk_steps(words: list[str], cwd: Path) -> list[str]:
     """A command's step counts divided by STEP_SCALE: its `train.steps=`, `checkpoint.every=`
     and `--step`, and, for a training command that names none, its config's `train.steps`."""
-    def scaled(count: str) -> str:
-        return str(max(1, int(count) // STEP_SCALE))
+    def scaled(count: str) -> str:  # at least 1, but 0 (no periodic saves) stays 0
+        return str(max(1, int(count) // STEP_SCALE) if int(count) else 0)
     out = [re.sub(r"^(train\.steps|checkpoint\.every)=(\d+)$",
                   lambda m: f"{m.group(1)}={scaled(m.group(2))}", w) for w in words]
     out = [scaled(w) if i and out[i - 1] == "--step" else w for i, w in enumerate(out)]
     trains = out[2:3] in (["jaxtron.train"], ["jaxtron.launch"]) and "--config" in out
-    if trains and not any(w.startswith("train.steps=") for w in out) and "--dry-run" not in out:
+    if (trains and not any(w.startswith("train.steps=") for w in out)
+            and not {"--dry-run", "--print-config"} & set(out)):
         config = load_config(str(cwd / out[out.index("--config") + 1]), [])
         out.append(f"train.steps={scaled(config.train.steps)}")
     return out
@@ -136,26 +137,26 @@ def run(line: str, env: dict, cwd: Path) -> tuple[int, str, str]:
     return result.returncode, result.stdout, result.stderr
 
 
-def run_in_order(commands, tmp_path: Path) -> list[str]:
-    """Run every command not marked otherwise in a scratch folder: -> the lines run."""
+def run_in_order(commands, tmp_path: Path) -> dict[str, str]:
+    """Run every command not marked otherwise in a scratch folder: -> {line run: its output}."""
     for name in ("configs", "examples", "jaxtron", "scripts"):
         (tmp_path / name).symlink_to(ROOT / name)
     # A user's shell: no device count unless the page sets one (the tests' faster compile
     # flags are kept on top).
     shell = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    ran = []
+    ran = {}
     for line, why in commands:
         if why:
             continue
         if line.startswith("export "):
             key, value = line.removeprefix("export ").split("=", 1)
             shell[key] = value
-            ran.append(line)
+            ran[line] = ""
             continue
         status, stdout, stderr = run(line, shell, tmp_path)
         assert status == 0, f"{line}\n{stdout[-2000:]}\n{stderr[-3000:]}"
         assert "Traceback" not in stderr, f"{line}\n{stderr[-3000:]}"
-        ran.append(line)
+        ran[line] = stdout
     return ran
 
 
@@ -175,12 +176,25 @@ DOCS = sorted(str(page.relative_to(ROOT)) for page in (ROOT / "docs").glob("*.md
               if "```bash" in page.read_text())
 
 
+# What each page's commands leave in the scratch folder.
+PRODUCTS = {"docs/checkpoints.md": ["exports/tiny-300/config.yaml", "exports/tiny-hf/config.json"],
+            "docs/data.md": ["data/chat.idx", "runs/sft-tiny/metrics.jsonl"],
+            "docs/long-context.md": ["runs/tiny/metrics.jsonl"],
+            "docs/multihost.md": ["runs/supervised/launch.json"],
+            "docs/performance.md": ["runs/planned.yaml", "runs/planned/metrics.jsonl"]}
+
+
 @pytest.mark.parametrize("page", DOCS)
 def test_every_command_of_a_docs_page_runs_in_order(page, tmp_path):
     commands = readme_commands(page)
     ran = run_in_order(commands, tmp_path)
-    assert len(ran) + sum(1 for _, why in commands if why) == len(commands)
-    assert commands and all(why in HARDWARE.values() for _, why in commands if why), commands
+    assert ran or page == "docs/megatron.md", commands  # that page's runs need a cluster
+    for product in PRODUCTS.get(page, []):
+        assert (tmp_path / product).exists(), (product, list(ran))
+    for line, out in ran.items():  # a comparison prints every schedule it was asked for
+        if "--compare-schedules" in line:
+            names = shlex.split(line)[shlex.split(line).index("--compare-schedules") + 1]
+            assert all(name in out for name in names.split(",")), (line, out)
 
 
 def test_the_pages_mark_what_cannot_run_here():
