@@ -5,6 +5,7 @@ ZB-H1 bubble where its B and W each take one forward. Plain numpy, no devices.""
 import pytest
 
 from jaxtron.pipeline.schedules import build_table, formula_idle
+from jaxtron.pipeline.ticks import BACKWARD, FORWARD, Action, place
 from jaxtron.pipeline.timeline import step_units, weighted_idle, work_units
 
 
@@ -104,8 +105,44 @@ def test_the_engine_idles_as_each_schedules_formula_says(schedule, recompute, p,
     assert abs(weighted_idle(table, recompute) - formula) <= 0.02
 
 
+def megatrons_interleaved_table(p: int, m: int, v: int):
+    """Interleaved 1F1B with Megatron-LM's warm-up, 2(p-d-1) + (v-1)p chunk forwards on rank d
+    (its `get_forward_backward_func`), placed as the engine places any order."""
+    groups = range(0, m, p)
+    forwards = [Action(FORWARD, mb, c) for g in groups for c in range(v)
+                for mb in range(g, g + p)]
+    backwards = [Action(BACKWARD, mb, c) for g in groups for c in reversed(range(v))
+                 for mb in range(g, g + p)]
+    orders = []
+    for d in range(p):
+        warmup = min(2 * (p - d - 1) + (v - 1) * p, m * v)
+        order = forwards[:warmup]
+        for i, forward in enumerate(forwards[warmup:]):
+            order += [forward, backwards[i]]
+        orders.append(order + backwards[len(forwards) - warmup:])
+    return place("interleaved", orders, p, m, v)
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+@pytest.mark.parametrize("v", [2, 3, 4])
+@pytest.mark.parametrize("m_per_p", [1, 2, 4, 8])
+def test_interleaved_warmup_fitted_to_lockstep_idles_less_than_megatrons(p, v, m_per_p):
+    """Same bubble and activation slots as Megatron's warm-up, at most one more gradient
+    buffer, and never more idle with jobs at their lengths."""
+    m = p * m_per_p
+    ours, megatrons = build_table("interleaved", p, m, v), megatrons_interleaved_table(p, m, v)
+    assert ours.bubble == pytest.approx(megatrons.bubble)
+    assert ours.act_slots == megatrons.act_slots
+    assert ours.grad_slots <= megatrons.grad_slots + 1
+    for recompute in (True, False):
+        assert weighted_idle(ours, recompute) <= weighted_idle(megatrons, recompute) + 1e-12
+
+
 @pytest.mark.parametrize("p, m", [(4, 8), (8, 32)])
 def test_interleaved_and_recomputing_zbv_still_idle_past_their_formula(p, m):
-    assert weighted_idle(build_table("interleaved", p, m, 2), True) > \
-        formula_idle("interleaved", p, m, 2) + 0.1
+    """The gaps left: at p=4, m=8 interleaved idles 0.256 (0.319 with Megatron's warm-up)
+    against its formula's 0.158; recomputing zbv 0.312 against 0.059."""
+    ours, megatrons = build_table("interleaved", p, m, 2), megatrons_interleaved_table(p, m, 2)
+    assert weighted_idle(ours, True) < weighted_idle(megatrons, True) - 0.03
+    assert weighted_idle(ours, True) > formula_idle("interleaved", p, m, 2) + 0.05
     assert weighted_idle(build_table("zbv", p, m), True) > formula_idle("zbv", p, m) + 0.1

@@ -24,8 +24,8 @@ def test_every_engine_schedule_passes_and_holds_what_its_formula_says(schedule, 
         assert result.peak_in_flight == (m,) * p
     elif schedule == "1f1b":  # rank d: its p - d - 1 warm-up forwards and one more
         assert result.peak_in_flight == tuple(min(p - d, m) for d in range(p))
-    else:  # Megatron's interleaved warm-up: 2(p - d - 1) + (v - 1)p chunk forwards, and one more
-        assert result.peak_in_flight == tuple(min(2 * (p - d - 1) + (v - 1) * p + 1, v * m)
+    else:  # the lockstep warm-up: (p - d - 1) + (v - 1)p + (p - 2) chunk forwards, one more
+        assert result.peak_in_flight == tuple(min((p - d - 1) + (v - 1) * p + (p - 2) + 1, v * m)
                                               for d in range(p))
     check(forward_table(p, m, v), training=False)
 
