@@ -34,7 +34,8 @@ from conftest import FAST_COMPILE_FLAGS
 
 ROOT = Path(__file__).parent.parent
 # What a block's paragraph or section heading says it needs -> why it is not run here.
-HARDWARE = {r"On a machine with (an|one) NVIDIA GPU": "needs an NVIDIA GPU",
+NEEDS_A_GPU = "needs an NVIDIA GPU"
+HARDWARE = {r"On a machine with (an|one) NVIDIA GPU": NEEDS_A_GPU,
             r"On a cluster|Under SLURM|on \d+ nodes|two\s+hosts": "needs a cluster",
             r"Import from Hugging Face": "needs a model downloaded from Hugging Face (the "
                                          "README's walkthrough imports one it exported)",
@@ -64,7 +65,7 @@ def readme_commands(page: str = "README.md") -> list[tuple[str, str | None]]:
             line = line.strip()
             if not line or line.startswith("#"):
                 continue
-            gpu = "needs an NVIDIA GPU" if ON_A_GPU.search("#" + comment) else None
+            gpu = NEEDS_A_GPU if ON_A_GPU.search("#" + comment) else None
             for command in line.split(" && "):
                 commands.append((command, needs or gpu or NOT_RUN.get(command)))
     return commands
@@ -138,7 +139,8 @@ def run(line: str, env: dict, cwd: Path) -> tuple[int, str, str]:
 
 
 def run_in_order(commands, tmp_path: Path) -> dict[str, str]:
-    """Run every command not marked otherwise in a scratch folder: -> {line run: its output}."""
+    """Run every command not marked otherwise in a scratch folder: -> {line run: its output}
+    (an `export` sets the shell's environment and is not a run)."""
     for name in ("configs", "examples", "jaxtron", "scripts"):
         (tmp_path / name).symlink_to(ROOT / name)
     # A user's shell: no device count unless the page sets one (the tests' faster compile
@@ -151,7 +153,6 @@ def run_in_order(commands, tmp_path: Path) -> dict[str, str]:
         if line.startswith("export "):
             key, value = line.removeprefix("export ").split("=", 1)
             shell[key] = value
-            ran[line] = ""
             continue
         status, stdout, stderr = run(line, shell, tmp_path)
         assert status == 0, f"{line}\n{stdout[-2000:]}\n{stderr[-3000:]}"
@@ -193,13 +194,14 @@ def test_every_command_of_a_docs_page_runs_in_order(page, tmp_path):
         assert (tmp_path / product).exists(), (product, list(ran))
     for line, out in ran.items():  # a comparison prints every schedule it was asked for
         if "--compare-schedules" in line:
-            names = shlex.split(line)[shlex.split(line).index("--compare-schedules") + 1]
+            words = shlex.split(line)
+            names = words[words.index("--compare-schedules") + 1]
             assert all(name in out for name in names.split(",")), (line, out)
 
 
 def test_the_pages_mark_what_cannot_run_here():
     """The markers are read as the page means them: its GPU, cluster and download lines are
-    skipped with their reason, and every CPU command of the pages runs."""
+    skipped with their reason, and the CPU launch beside a cluster's is not."""
     why = {page: dict(readme_commands(page)) for page in DOCS}
     assert why["docs/megatron.md"] and all(w == "needs a cluster"
                                            for w in why["docs/megatron.md"].values())
