@@ -198,7 +198,7 @@ def compare_schedules(config: Config, schedules: list[str], warmup: int,
             f"pipeline.schedule={schedule}", f"pipeline.virtual_stages={v}",
             f"pipeline.recompute={str(recompute).lower()}"])
         step_s = bench_jaxtron(variant, jax.devices(), warmup, steps, repeats)["step_s"]
-        table = build_table(schedule, p, pp.microbatches, v)
+        table = build_table(schedule, p, pp.microbatches, v, recompute)
         rows[entry] = {"step_s": step_s, "virtual_stages": v, "recompute": recompute,
                        "bubble": table.bubble, "parallel_units": step_units(table, recompute),
                        "parallel_idle": weighted_idle(table, recompute)}

@@ -14,7 +14,15 @@ from jaxtron.config.loading import load_config
 from jaxtron.data.pipeline import open_dataset, train_batches
 from jaxtron.pipeline.layer_split import join_stages, split_layers, split_over_stages
 from jaxtron.pipeline.schedules import build_table, forward_table
-from jaxtron.pipeline.ticks import BACKWARD, FORWARD, IDLE
+from jaxtron.pipeline.ticks import (
+    BACKWARD,
+    FORWARD,
+    IDLE,
+    INPUT_GRAD,
+    RECOMPUTE,
+    WEIGHT_GRAD,
+)
+from jaxtron.pipeline.timeline import weighted_idle
 from jaxtron.sharding.collectives import count_collectives
 from jaxtron.training.trainer import Trainer
 
@@ -35,15 +43,20 @@ def test_bubble_is_the_published_formula(schedule, p, m):
 
 
 @pytest.mark.parametrize("p, v, m", [(2, 2, 2), (2, 2, 4), (4, 2, 8), (4, 3, 4), (2, 4, 6)])
-def test_interleaving_shrinks_the_bubble_by_v(p, v, m):
-    assert build_table("interleaved", p, m, v).bubble == pytest.approx(
-        (p - 1) / (v * m + p - 1))
+@pytest.mark.parametrize("recompute", [True, False])
+def test_interleaving_shrinks_the_bubble_by_v(p, v, m, recompute):
+    """At most Megatron's (p-1)/(v*m+p-1) of the step idle, jobs at their lengths: the split
+    backward's W (and R, recomputing) run off the gradients' path."""
+    table = build_table("interleaved", p, m, v, recompute)
+    assert weighted_idle(table, recompute) <= (p - 1) / (v * m + p - 1) + 1e-12
 
 
-@pytest.mark.parametrize("schedule, v", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)])
-def test_every_action_runs_once_after_its_inputs(schedule, v):
+@pytest.mark.parametrize("schedule, v, recompute", [
+    ("gpipe", 1, True), ("1f1b", 1, True), ("interleaved", 2, False), ("interleaved", 2, True)])
+def test_every_action_runs_once_after_its_inputs(schedule, v, recompute):
+    """Every forward and backward (whole, or R, B and W) once, after its inputs."""
     p, m = 4, 8
-    table = build_table(schedule, p, m, v)
+    table = build_table(schedule, p, m, v, recompute)
     when = {}
     for t in range(table.ticks):
         for d in range(p):
@@ -52,15 +65,24 @@ def test_every_action_runs_once_after_its_inputs(schedule, v):
                        int(table.chunk[t, d]) * p + d)
                 assert key not in when
                 when[key] = t
-    assert len(when) == 2 * m * p * v
+    kinds = {kind for kind, _, _ in when}
+    assert kinds == ({FORWARD, BACKWARD} if schedule != "interleaved" else
+                     {FORWARD, INPUT_GRAD, WEIGHT_GRAD} | ({RECOMPUTE} if recompute else set()))
+    assert len(when) == len(kinds) * m * p * v
     last = p * v - 1
     for (kind, mb, vs), t in when.items():
         if kind == FORWARD and vs > 0:
             assert when[(FORWARD, mb, vs - 1)] < t
-        if kind == BACKWARD:
+        if kind in (BACKWARD, INPUT_GRAD):
             assert when[(FORWARD, mb, vs)] < t
             if vs < last:
-                assert when[(BACKWARD, mb, vs + 1)] < t
+                assert when[(kind, mb, vs + 1)] < t
+            if RECOMPUTE in kinds:
+                assert when[(RECOMPUTE, mb, vs)] < t
+        if kind == RECOMPUTE:
+            assert when[(FORWARD, mb, vs)] < t
+        if kind == WEIGHT_GRAD:
+            assert when[(INPUT_GRAD, mb, vs)] < t
 
 
 @pytest.mark.parametrize("p, v, m", [(2, 1, 1), (4, 1, 3), (4, 1, 8), (2, 2, 4), (4, 2, 8)])
@@ -327,34 +349,47 @@ def test_1f1b_memory_is_flat_in_microbatches_while_gpipe_grows():
     assert gpipe[1] - gpipe[0] >= 0.9 * 12 * activation, gpipe
 
 
-@pytest.mark.parametrize("schedule, virtual", [("zb-h1", 1), ("zbv", 2)])
-def test_zero_bubble_memory_is_1f1bs_plus_its_stashes(monkeypatch, schedule, virtual):
-    """A split schedule keeps 1F1B's stage inputs (zbv: its table's count of chunk inputs) and
-    adds B's stashes (the weights' inputs and output gradients a W reads): the table's stash
-    slots and up to one more, the values B returns before they are written into their slot.
-    The stash's bytes are recorded as the engine traces B; zb-h1's memory is flat in m."""
-    from jaxtron.pipeline import split_vjp
+@pytest.mark.parametrize("schedule, virtual", [("zb-h1", 1), ("zbv", 2), ("interleaved", 2)])
+def test_split_backward_memory_is_1f1bs_plus_its_stashes(monkeypatch, schedule, virtual):
+    """A split schedule keeps 1F1B's stage inputs (zbv, interleaved: its table's count of chunk
+    inputs) and adds B's stashes (the weights' inputs and output gradients a W reads): the
+    table's stash slots and up to one more, the values B returns before they are written into
+    their slot; and where an R recomputes the stage (zbv, interleaved), its residual slots and
+    up to one more. The bytes are recorded as the engine traces B and R; zb-h1's memory is flat
+    in m."""
+    from jaxtron.pipeline import split_vjp, stored_vjp
 
-    stash_bytes = []
-    traced = split_vjp.SplitVJP.input_grad
+    stash_bytes, residual_bytes = [], [0]
+    traced_b, traced_r = split_vjp.SplitVJP.input_grad, stored_vjp.StoredVJP.forward
 
-    def recording(self, *args):
-        dx, stash = traced(self, *args)
+    def recording_b(self, *args):
+        dx, stash = traced_b(self, *args)
         stash_bytes.append(sum(v.size * v.dtype.itemsize for v in stash))
         return dx, stash
 
-    monkeypatch.setattr(split_vjp.SplitVJP, "input_grad", recording)
-    temp_bytes.cache_clear()  # trace B again, recorded
+    def recording_r(self, *args):
+        outputs, aux, stored = traced_r(self, *args)
+        residual_bytes.append(sum(v.size * v.dtype.itemsize for v in stored))
+        return outputs, aux, stored
+
+    monkeypatch.setattr(split_vjp.SplitVJP, "input_grad", recording_b)
+    monkeypatch.setattr(stored_vjp.StoredVJP, "forward", recording_r)
+    temp_bytes.cache_clear()  # trace B and R again, recorded
     activation = 2 * 64 * 128 * 4
     split = temp_bytes(schedule, 4, 8, virtual)
-    table, one_f_one_b = build_table(schedule, 4, 4, virtual), build_table("1f1b", 4, 4)
+    table = build_table(schedule, 4, 4, virtual, recompute=True)
+    one_f_one_b = build_table("1f1b", 4, 4, recompute=True)
+    assert table.recomputes == (schedule != "zb-h1")
     held = (table.act_slots - one_f_one_b.act_slots) + (table.grad_slots - one_f_one_b.grad_slots)
-    low, high = ((slots * stash_bytes[-1] + held * activation)
-                 for slots in (table.w_slots, table.w_slots + 1))
+    res_slots = table.res_slots if table.recomputes else 0
+    low, high = ((slots * stash_bytes[-1] + res * residual_bytes[-1] + held * activation)
+                 for slots, res in ((table.w_slots, res_slots),
+                                    (table.w_slots + 1, res_slots + table.recomputes)))
     extra = split - temp_bytes("1f1b", 4, 8)
     assert 0.95 * low <= extra <= 1.05 * high, (extra, low, high)
     if schedule == "zb-h1":
         assert abs(temp_bytes(schedule, 16, 8) - split) < activation
+    temp_bytes.cache_clear()
 
 
 def test_stored_residuals_cost_their_slots_and_zb_h1_holds_what_1f1b_without_recompute_holds(

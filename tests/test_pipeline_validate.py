@@ -96,7 +96,10 @@ def test_zbv_nearly_removes_the_bubble_at_1f1bs_memory(p, m):
 
 
 def test_show_draws_zbv():
-    out = subprocess.run([sys.executable, "-m", "jaxtron.pipeline.show", "--stages", "4",
-                          "--microbatches", "8", "--schedule", "zbv"],
-                         capture_output=True, text=True, check=True).stdout
-    assert "W7.0" in out and "F0.1" in out and "bubble 0.0588" in out
+    """The paper's table (stored residuals), and the recomputing one with its R's."""
+    show = [sys.executable, "-m", "jaxtron.pipeline.show", "--stages", "4", "--microbatches",
+            "8", "--schedule", "zbv"]
+    out = subprocess.run([*show, "--stored"], capture_output=True, text=True, check=True).stdout
+    assert "W7.0" in out and "F0.1" in out and "bubble 0.0588" in out and "R0" not in out
+    out = subprocess.run(show, capture_output=True, text=True, check=True).stdout
+    assert "R7.0" in out and "F = R = B = W" in out and "bubble 0.0448" in out

@@ -94,14 +94,15 @@ def test_communication_and_bubble_follow_the_closed_forms():
     assert bubble_fraction(Layout(stage=4, data=2, microbatches=8, schedule="interleaved",
                                   virtual_stages=2)) == 3 / 19
     # The step uses the idle share with jobs at their lengths (`pipeline/timeline.py`): only
-    # ranks that trade wait for each other, so 1F1B and GPipe keep the formula; interleaved's
-    # chunks still wait for a neighbour's longer job.
+    # ranks that trade wait for each other, so 1F1B and GPipe keep the formula; interleaved,
+    # its backwards split into R, B and W of one forward each, idles less than its formula
+    # (W and R off the gradients' path).
     one_f_one_b = estimate(config, Layout(stage=4, data=2, microbatches=8), HARDWARE["h100"])
     assert one_f_one_b.bubble == one_f_one_b.idle == pytest.approx(3 / 11)
     interleaved = estimate(config, Layout(stage=4, data=2, microbatches=8,
                                           schedule="interleaved", virtual_stages=2),
                            HARDWARE["h100"])
-    assert interleaved.idle > interleaved.bubble == pytest.approx(3 / 19)
+    assert interleaved.idle < interleaved.bubble == pytest.approx(3 / 19)
     gpipe = estimate(config, Layout(stage=4, data=2, microbatches=8, schedule="gpipe"),
                      HARDWARE["h100"])
     assert gpipe.idle == pytest.approx(3 / 11)

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
-from jaxtron.pipeline.jobs import SLOTTED, Carry, EvaluationJobs, TrainingJobs
+from jaxtron.pipeline.jobs import Carry, EvaluationJobs, TrainingJobs
 from jaxtron.pipeline.program import AXIS, Program
 from jaxtron.pipeline.ticks import Table
 
@@ -51,9 +51,10 @@ def run_tick(program: Program, jobs: EvaluationJobs, carry: Carry, t) -> Carry:
     in place."""
     me = jobs.rank.me
     kind = program.at("kind", t, me)
-    buffers = {name: getattr(carry, name) for name in SLOTTED
+    slotted = jobs.slotted()
+    buffers = {name: getattr(carry, name) for name in slotted
                if getattr(carry, name) is not None}
-    slots = {name: program.at(SLOTTED[name][0], t, me) for name in buffers}
+    slots = {name: program.at(slotted[name][0], t, me) for name in buffers}
 
     def held(name):  # sliced inside the branch that reads it: no copy on other ticks
         return [b[slots[name]] for b in buffers[name]]
@@ -71,7 +72,7 @@ def run_tick(program: Program, jobs: EvaluationJobs, carry: Carry, t) -> Carry:
     for name, bufs in buffers.items():  # in place, under a conditional
         slot = slots[name]
         buffers[name] = jax.lax.cond(
-            kind == SLOTTED[name][1],
+            kind == slotted[name][1],
             lambda bs, vs: [b.at[slot].set(v) for b, v in zip(bs, vs)],
             lambda bs, vs: bs, bufs, written[name])
     carry = bare.replace(**buffers)

@@ -2,7 +2,7 @@
 
 A job is a method `job(carry, t, held) -> (carry, out, written)`:
 
-    carry    the loop state (`Carry`), without the slotted buffers (`SLOTTED`)
+    carry    the loop state (`Carry`), without the slotted buffers (`slotted()`)
     t        the tick; the rank's entries of the table at t say which microbatch and chunk
     held     held(buffer) -> this tick's slot of a slotted buffer, sliced inside the branch that
              reads it (so other ticks copy nothing)
@@ -15,8 +15,9 @@ but the received input activation (in the slot the table assigned); a whole back
 the stage from it under `jax.vjp` (or, with `recompute=False`, transposes the stage's tangent
 map from the residuals its forward left, `stored_vjp.py`); a split backward is a B that forms
 the input gradient and the ends' gradients and stashes what the weights' products need, and a
-later W that forms those products (`split_vjp.py`). Gradients accumulate in `Grads`, in the
-layouts of their parameters.
+later W that forms those products (`split_vjp.py`). A split table that recomputes runs the stage
+again as an R before each B, leaving the residuals B reads as a stored forward would.
+Gradients accumulate in `Grads`, in the layouts of their parameters.
 """
 
 from __future__ import annotations
@@ -31,10 +32,7 @@ from flax import struct
 from jaxtron.pipeline.program import Program, Rank
 from jaxtron.pipeline.split_vjp import SplitVJP
 from jaxtron.pipeline.stored_vjp import StoredVJP
-from jaxtron.pipeline.ticks import FORWARD, INPUT_GRAD
-
-# Buffers written by one kind of job and read by a later one: (slot table, writer's kind).
-SLOTTED = {"res": ("res_slot", FORWARD), "stash": ("w_slot", INPUT_GRAD)}
+from jaxtron.pipeline.ticks import FORWARD, INPUT_GRAD, RECOMPUTE
 
 
 @struct.dataclass
@@ -70,6 +68,12 @@ class EvaluationJobs:
     def by_kind(self) -> list[Callable]:
         return [self.idle, self.forward]
 
+    def slotted(self) -> dict[str, tuple[str, int]]:
+        """Buffers written by one kind of job and read by a later one: (slot table, writer's
+        kind)."""
+        residuals_from = RECOMPUTE if self.program.table.recomputes else FORWARD
+        return {"res": ("res_slot", residuals_from), "stash": ("w_slot", INPUT_GRAD)}
+
     def initial_carry(self) -> Carry:
         table, x = self.program.table, self.rank.zeros_x
         return Carry(acts=jnp.zeros((table.act_slots + 1, *x.shape), x.dtype),
@@ -101,12 +105,15 @@ class TrainingJobs(EvaluationJobs):
     def __init__(self, program: Program, rank: Rank, scale: float, store: bool):
         super().__init__(program, rank)
         self.scale, self.store = scale, store
+        self.from_residuals = store or program.table.recomputes  # backwards read residuals
         self.stored_vjp, self.split = StoredVJP(), SplitVJP()
 
     def by_kind(self) -> list[Callable]:
-        if not self.program.table.split:
+        table = self.program.table
+        if not table.split:
             return [self.idle, self.forward, self.backward]
-        return [self.idle, self.forward, self.idle, self.input_grad, self.weight_grad]
+        return [self.idle, self.forward, self.idle, self.input_grad, self.weight_grad,
+                *([self.recompute] if table.recomputes else [])]
 
     def initial_carry(self) -> Carry:
         table, rank, x = self.program.table, self.rank, self.rank.zeros_x
@@ -117,7 +124,7 @@ class TrainingJobs(EvaluationJobs):
                         _zeros(rank.last)))
         t0 = jnp.zeros((), jnp.int32)
         res = []
-        if self.store:  # each forward's residuals, kept in its slot until its backward
+        if self.from_residuals:  # each forward's (or R's) residuals, in a slot until B
             res = jax.eval_shape(lambda t: self.stored_vjp.forward(*self._job_fn(t), x)[2], t0)
             carry = carry.replace(res=[jnp.zeros((table.res_slots, *a.shape), a.dtype)
                                        for a in res])
@@ -153,6 +160,12 @@ class TrainingJobs(EvaluationJobs):
             metrics=self.program.add_metrics(carry.metrics, metrics, self._at("chunk", t),
                                              self.scale))
         return carry, self._unless_last(self._at("chunk", t), y), {"res": residuals}
+
+    def recompute(self, carry: Carry, t, held):
+        """R: the stage again from its input, for the residuals its B reads; nothing sent."""
+        fn, params = self._job_fn(t)
+        _, _, residuals = self.stored_vjp.forward(fn, params, carry.acts[self._at("act_slot", t)])
+        return carry, self.rank.zeros_x, {"res": residuals}
 
     def _backward_job(self, carry: Carry, t):
         """(fn, params, its input, the output cotangent) of the backward at tick t."""
@@ -196,7 +209,7 @@ class TrainingJobs(EvaluationJobs):
         conditionals, which W's program would otherwise carry."""
         fn, (first, shared, chunk_p, last), x_in, cotangent = self._backward_job(carry, t)
         tangent = None
-        if self.store:
+        if self.from_residuals:
             full = self.stored_vjp.tangent_map(fn, (first, shared, chunk_p, last), x_in,
                                                held("res"))
             tangent = lambda c, xs: full((xs[1], xs[2], c, xs[3]), xs[0])  # noqa: E731

@@ -9,6 +9,16 @@ walks microbatches in groups of p per chunk, with a warm-up fitted to this locks
 backward into B (input gradient) and W (weight gradients) and runs the W's in 1F1B's bubbles;
 `zbv` places two chunks per rank in a V (`zero_bubble.py`).
 
+Interleaved runs its backwards split too, W right after its B. This engine ends a tick when a
+rank and the ranks it trades with have finished, so a chunk's backward (two forwards of work)
+beside a neighbour's forward would stall it; as B and W, every job is one forward of work, and
+W, off the gradients' path, shortens the cool-down as well. When the stage is recomputed
+(`pipeline.recompute: true`) interleaved and zbv run the recomputation as a job of its own, R,
+before each B (which then reads R's residuals, as without recomputation): one forward of work
+like the others, placed as soon as the rank reaches it, before the gradient arrives. ZB-H1's B
+recomputes itself: its W's already fill the ticks a longer B leaves, so it keeps its formula's
+idle and 1F1B's memory without R's residuals.
+
 `forward_table` is evaluation's schedule: the same placement with forwards only, in the
 interleaved order (microbatches in groups of p per chunk, which is plain microbatch order when
 v = 1). An activation is held only until the next virtual stage's forward has read it, so a
@@ -21,19 +31,29 @@ import functools
 
 import numpy as np
 
-from jaxtron.pipeline.ticks import BACKWARD, FORWARD, Action, Table, place
+from jaxtron.pipeline.ticks import (
+    BACKWARD,
+    FORWARD,
+    INPUT_GRAD,
+    RECOMPUTE,
+    WEIGHT_GRAD,
+    Action,
+    Table,
+    place,
+)
 from jaxtron.pipeline.zero_bubble import bubble_formula, split_orders, zbv_table
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
-SPLIT_SCHEDULES = ("zb-h1", "zbv")  # each backward as B and W
+SPLIT_SCHEDULES = ("interleaved", "zb-h1", "zbv")  # each backward as B and W
 
 
-def device_orders(schedule: str, stages: int, microbatches: int,
-                  virtual: int = 1) -> list[list[Action]]:
-    """The order in which each device runs its actions."""
+def device_orders(schedule: str, stages: int, microbatches: int, virtual: int = 1,
+                  recompute: bool = False) -> list[list[Action]]:
+    """The order in which each device runs its actions; interleaved's with an R before each B
+    when `recompute`."""
     p, m, v = stages, microbatches, virtual
     if schedule == "zb-h1" and v == 1:
-        return split_orders(p, m)
+        return split_orders(p, m)  # its B recomputes: already at its formula, 1F1B's memory
     if schedule == "gpipe":
         return [[Action(FORWARD, mb, c) for c in range(v) for mb in range(m)] +
                 [Action(BACKWARD, mb, c) for c in reversed(range(v)) for mb in range(m)]
@@ -49,19 +69,32 @@ def device_orders(schedule: str, stages: int, microbatches: int,
                     for mb in range(g, min(g + p, m))]
         backwards = [Action(BACKWARD, mb, c) for g in groups for c in reversed(range(v))
                      for mb in range(g, min(g + p, m))]
-        return [_one_forward_one_backward(forwards, backwards,
-                                          min(interleaved_warmup(p, v, d), m * v))
+        return [split_backward(_one_forward_one_backward(
+                    forwards, backwards, min(interleaved_warmup(p, v, d), m * v)), recompute)
                 for d in range(p)]
     raise ValueError(f"unknown schedule {schedule!r} with virtual={v}")
+
+
+def split_backward(order: list[Action], recompute: bool) -> list[Action]:
+    """`order` with each whole backward as B then W, and with `recompute` an R before each B."""
+    out = []
+    for a in order:
+        if a.kind in (BACKWARD, INPUT_GRAD) and recompute:
+            out.append(Action(RECOMPUTE, a.microbatch, a.chunk))
+        if a.kind == BACKWARD:
+            out += [Action(INPUT_GRAD, a.microbatch, a.chunk),
+                    Action(WEIGHT_GRAD, a.microbatch, a.chunk)]
+        else:
+            out.append(a)
+    return out
 
 
 def interleaved_warmup(p: int, v: int, rank: int) -> int:
     """Chunk forwards rank d runs before its first backward. Megatron's 2(p-d-1) + (v-1)p is
     right for ranks that run asynchronously; in lockstep, where a tick's senders and receivers
-    meet at its end, (p-d-1) + (v-1)p + (p-2) pairs fewer backwards with a neighbour's forward:
-    the same bubble and activation slots, at most one more gradient buffer, and less idle at
-    every p, m and v tried (`tests/test_pipeline_timeline.py`; 0.319 -> 0.256 of the step at
-    p=4, m=8, v=2)."""
+    meet at its end, (p-d-1) + (v-1)p + (p-2) idles no more at any p, m and v tried, and less
+    where R's recompute ahead of their gradients (0.123 -> 0.099 of the step at p=8, m=16,
+    v=2), with Megatron's activation slots (`tests/test_pipeline_timeline.py`)."""
     return (p - rank - 1) + (v - 1) * p + max(p - 2, 0)
 
 
@@ -72,15 +105,26 @@ def _one_forward_one_backward(forwards, backwards, warmup: int) -> list[Action]:
     return order + list(backwards[len(forwards) - warmup:])
 
 
+RECOMPUTE_JOBS = ("interleaved", "zbv")  # the schedules whose tables hold R's to recompute
+
+
+def build_table(schedule: str, stages: int, microbatches: int, virtual: int = 1,
+                recompute: bool = False) -> Table:
+    """The training table: every forward and backward of `schedule`, for a stage run again in
+    the backward (`recompute`) or not. Built once per shape (zbv's placement is a search, and
+    the planner asks for thousands); read-only."""
+    return _built(schedule, stages, microbatches, virtual,
+                  recompute and schedule in RECOMPUTE_JOBS)
+
+
 @functools.lru_cache(maxsize=1024)
-def build_table(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> Table:
-    """The training table: every forward and backward of `schedule`. Built once per shape
-    (zbv's placement is a search, and the planner asks for thousands); read-only."""
+def _built(schedule: str, stages: int, microbatches: int, virtual: int,
+           recompute: bool) -> Table:
     if schedule == "zbv":  # placed greedily, two chunks per rank in a V
-        table = zbv_table(stages, microbatches)
+        table = zbv_table(stages, microbatches, recompute)
     else:
-        table = place(schedule, device_orders(schedule, stages, microbatches, virtual), stages,
-                      microbatches, virtual)
+        table = place(schedule, device_orders(schedule, stages, microbatches, virtual,
+                                              recompute), stages, microbatches, virtual)
     for value in vars(table).values():  # shared by every caller: nobody may write to it
         if isinstance(value, np.ndarray):
             value.setflags(write=False)

@@ -2,14 +2,17 @@
 many microbatches each rank holds.
 
 One checker for every table the engine runs (`ticks.Table`): forwards and whole backwards of
-`gpipe`, `1f1b`, `interleaved`, the forward-only evaluation table, and the split-backward
-`zb-h1` and `zbv` (F, B and W; zbv's chunks in a V). The rules:
+`gpipe` and `1f1b`, the forward-only evaluation table, and the split-backward `interleaved`,
+`zb-h1` and `zbv` (F, B and W, and R where the stage is recomputed as a job of its own; zbv's
+chunks in a V). The rules:
 
 - every forward of every microbatch on every virtual stage runs exactly once, on the rank that
-  owns that virtual stage, and for training tables every backward too (a whole one, or B then W);
+  owns that virtual stage, and for training tables every backward too (a whole one, or B then W,
+  with an R before each B or none);
 - a job runs strictly after the ticks that produced its inputs (a value sent at tick t is usable
   at tick t + 1): F after the previous virtual stage's F; a backward (whole, or B) after its own
-  F and the next virtual stage's backward (B); W after its own B;
+  F and the next virtual stage's backward (B), and after its own R; R after its own F; W
+  after its own B;
 - a rank holds a microbatch's activations from its forward until its last backward job (the
   whole backward, or W); the peak of that count per rank is the schedule's activation memory.
 """
@@ -22,7 +25,7 @@ import numpy as np
 
 from jaxtron.pipeline import ticks
 
-F, WHOLE_BACKWARD, B, W = "F", "BW", "B", "W"
+F, WHOLE_BACKWARD, B, W, R = "F", "BW", "B", "W", "R"
 
 
 class ScheduleError(ValueError):
@@ -40,7 +43,7 @@ def jobs(table) -> tuple[list[tuple[int, int, str, int, int]], int, int]:
     stages."""
     p = table.stages
     names = {ticks.FORWARD: F, ticks.BACKWARD: WHOLE_BACKWARD, ticks.INPUT_GRAD: B,
-             ticks.WEIGHT_GRAD: W}
+             ticks.WEIGHT_GRAD: W, ticks.RECOMPUTE: R}
     out = []
     for t, d in zip(*np.nonzero(table.kind)):
         out.append((int(t), int(d), names[int(table.kind[t, d])], int(table.microbatch[t, d]),
@@ -64,7 +67,8 @@ def check(table, training: bool = True) -> Check:
         when[(kind, mb, vs)] = t
     kinds = {kind for kind, _, _ in when}
     split = B in kinds or W in kinds
-    wanted = [F] + ([B, W] if split else [WHOLE_BACKWARD] if training else [])
+    wanted = [F] + ([B, W] if split else [WHOLE_BACKWARD] if training else []) + (
+        [R] if R in kinds else [])
     for kind in wanted:
         missing = [(mb, vs) for mb in range(m) for vs in range(stages)
                    if (kind, mb, vs) not in when]
@@ -77,9 +81,10 @@ def check(table, training: bool = True) -> Check:
         if kind == F and vs > 0:
             needs = [(F, mb, vs - 1)]
         elif kind == backward:
-            needs = [(F, mb, vs)] + ([(backward, mb, vs + 1)] if vs < stages - 1 else [])
-        elif kind == W:
-            needs = [(B, mb, vs)]
+            needs = [(F, mb, vs)] + ([(backward, mb, vs + 1)] if vs < stages - 1 else []) + (
+                [(R, mb, vs)] if R in kinds else [])
+        elif kind in (W, R):
+            needs = [(B if kind == W else F, mb, vs)]
         for need in needs:
             if when[need] >= t:
                 raise ScheduleError(f"{kind} of microbatch {mb} on virtual stage {vs} at tick "

@@ -10,7 +10,8 @@ value a slot for as long as it is needed:
 - a received activation, from its arrival until its backward (or, forward-only, its next
   forward) has used it; a received gradient, until its backward has used it;
 - a B's stash (split tables), until its W has run;
-- a forward's residuals (`pipeline.recompute: false`), until its backward has run.
+- a forward's residuals (`pipeline.recompute: false`), until its backward has run; in a table
+  that recomputes as a job of its own (R, run before its B), the R's residuals until that B.
 
 The number of slots is the memory a schedule needs: GPipe's grows with m, 1F1B's stays near p.
 The idle cells are the bubble.
@@ -23,14 +24,14 @@ import heapq
 
 import numpy as np
 
-IDLE, FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD = 0, 1, 2, 3, 4
+IDLE, FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD, RECOMPUTE = 0, 1, 2, 3, 4, 5
 DOWN, UP, SELF, NOWHERE = 0, 1, 2, 3  # where a value goes: rank d + 1, d - 1, d itself
-LETTERS = {FORWARD: "F", BACKWARD: "B", INPUT_GRAD: "B", WEIGHT_GRAD: "W"}
+LETTERS = {FORWARD: "F", BACKWARD: "B", INPUT_GRAD: "B", WEIGHT_GRAD: "W", RECOMPUTE: "R"}
 
 
 @dataclasses.dataclass(frozen=True)
 class Action:
-    kind: int  # FORWARD, BACKWARD, or INPUT_GRAD and WEIGHT_GRAD
+    kind: int  # FORWARD, BACKWARD, or INPUT_GRAD and WEIGHT_GRAD (and RECOMPUTE before B)
     microbatch: int
     chunk: int
 
@@ -107,6 +108,12 @@ class Table(TickTable):
     def split(self) -> bool:
         return self.w_slots > 0
 
+    @property
+    def recomputes(self) -> bool:
+        """Whether the stage is run again as its own job (R) before each B, which then reads
+        R's residuals: every job one forward of work."""
+        return bool((self.kind == RECOMPUTE).any())
+
 
 def place(schedule: str, orders: list[list[Action]], p: int, m: int, v: int,
           v_shape: bool = False) -> Table:
@@ -127,6 +134,8 @@ def place(schedule: str, orders: list[list[Action]], p: int, m: int, v: int,
                 deps = [] if vs == 0 else [(FORWARD, a.microbatch, vs - 1)]
             elif a.kind == WEIGHT_GRAD:
                 deps = [(INPUT_GRAD, a.microbatch, vs)]
+            elif a.kind == RECOMPUTE:
+                deps = [(FORWARD, a.microbatch, vs)]
             else:  # a whole backward or a B: its forward and the next stage's same job
                 deps = [(FORWARD, a.microbatch, vs)] + (
                     [] if vs == last else [(a.kind, a.microbatch, vs + 1)])
@@ -157,10 +166,11 @@ def assign_slots(placed, ticks: int, p: int, v: int, m: int, done,
     # tick it was computed; the backward (or B) output of (mb, vs + 1) likewise. Each is held
     # until the backward (or B) of (mb, vs) has run; a B's stash until its W.
     backward = INPUT_GRAD if any(k == INPUT_GRAD for k, _, _ in done) else BACKWARD
+    residuals_from = RECOMPUTE if any(k == RECOMPUTE for k, _, _ in done) else FORWARD
     act_events, grad_events, w_events = [], [], []  # (arrival, release, device, (mb, vs))
     res_events = []
     for (k, micro, vs), t in done.items():
-        if k == FORWARD and (backward, micro, vs) in done:
+        if k == residuals_from and (backward, micro, vs) in done:
             res_events.append((t, done[(backward, micro, vs)], owner(vs, p, v_shape)[0],
                                (micro, vs)))
         if k == FORWARD and vs < last:
@@ -206,7 +216,7 @@ def assign_slots(placed, ticks: int, p: int, v: int, m: int, done,
                 grad_slot[t, d] = grad_of.get(key, grad_slots)
             if a.kind in (INPUT_GRAD, WEIGHT_GRAD):
                 w_slot[t, d] = w_of[key]
-            if a.kind in (FORWARD, BACKWARD, INPUT_GRAD):
+            if a.kind in (FORWARD, BACKWARD, INPUT_GRAD, RECOMPUTE):
                 res_slot[t, d] = res_of.get(key, res_slots)
     return Table(kind, mb, chunk, act_slot, grad_slot, recv_act, recv_grad, act_slots,
                  grad_slots, p, v, m, w_slot, w_slots, recv_acts[UP], recv_acts[SELF],

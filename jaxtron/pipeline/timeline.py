@@ -3,13 +3,15 @@
 A table's bubble counts idle cells as if every job took one tick. They do not: a backward is
 about two forwards of work (the input gradient and the weight gradients), three when it runs
 the stage again from its input (`pipeline.recompute: true`), and a split schedule's B and W
-are about one each (B two with recomputation). The engine ends every tick with an exchange in
-which only the ranks whose job's output goes to a neighbour take part (`ticks.exchange_patterns`:
-one collective permute per direction, over just those pairs), so a rank waits at the end of a
-tick only for the ranks it sends to or receives from then; a rank that trades with no one goes
-straight on. Asynchronous 1F1B's dependencies are exactly these pairs, so its idle share is its
-formula's (p-1)/(m+p-1); a table whose jobs differ in length across a pair that trades still
-stalls (interleaved's and the recomputing zero-bubble tables' neighbours).
+are about one each, like the R that recomputes the stage before a B. The engine ends every
+tick with an exchange in which only the ranks whose job's output goes to a neighbour take
+part (`ticks.exchange_patterns`: one collective permute per direction, over just those pairs),
+so a rank waits at the end of a tick only for the ranks it sends to or receives from then; a
+rank that trades with no one goes straight on. Asynchronous 1F1B's dependencies are exactly
+these pairs, so its idle share is its formula's (p-1)/(m+p-1); a table whose jobs differ in
+length across a pair that trades stalls, which is why interleaved and zbv run only jobs of
+one forward each (`schedules.py`; zb-h1's recomputing B, two forwards, sits where its table
+leaves room).
 
 `step_units` walks the table with those job lengths and that rule; `weighted_idle` is the share
 of a rank's time spent waiting. On simulated CPU devices the ranks share the cores and a
@@ -26,6 +28,7 @@ from jaxtron.pipeline.ticks import (
     FORWARD,
     IDLE,
     INPUT_GRAD,
+    RECOMPUTE,
     WEIGHT_GRAD,
     Table,
     receivers,
@@ -34,14 +37,15 @@ from jaxtron.pipeline.ticks import (
 
 def job_units(recompute: bool) -> dict[int, float]:
     """Work of each job kind for one whole stage, in forwards: matmul FLOPs, the backward's
-    two products per weight use (dx = dy W^T, dW = x^T dy), plus the forward run again."""
+    two products per weight use (dx = dy W^T, dW = x^T dy), plus the forward run again where
+    the backward recomputes it (not where an R job did)."""
     again = 1.0 if recompute else 0.0
     return {IDLE: 0.0, FORWARD: 1.0, BACKWARD: 2.0 + again, INPUT_GRAD: 1.0 + again,
-            WEIGHT_GRAD: 1.0}
+            WEIGHT_GRAD: 1.0, RECOMPUTE: 1.0}
 
 
 def _cell_units(table: Table, recompute: bool) -> np.ndarray:
-    units = job_units(recompute)
+    units = job_units(recompute and not table.recomputes)
     per_kind = np.vectorize(units.__getitem__, otypes=[float])(table.kind)
     return per_kind / table.virtual  # a chunk is 1/v of the stage
 

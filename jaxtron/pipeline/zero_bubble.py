@@ -16,10 +16,11 @@ whose W has not run, 1F1B's peak on rank 0 (a microbatch's activations are neede
 `schedules.build_table("zb-h1", p, m)` builds the table in these units; `jaxtron.pipeline.table_check` checks it like every
 other table.
 
-The engine runs these tables with the backward split by `split_vjp.SplitVJP`: B recomputes
-the stage from its stored input, as 1F1B's backward does, and computes the input gradient
-without any weight-gradient product; it leaves each weight's inputs and output gradients in a
-stash slot, from which W forms the weight gradients.
+The engine runs these tables with the backward split by `split_vjp.SplitVJP`: B computes the
+input gradient without any weight-gradient product, recomputing the stage from its stored
+input as 1F1B's backward does (zb-h1), or from the residuals an R job left (zbv, recomputing)
+or its forward kept (`pipeline.recompute: false`); it leaves each weight's inputs and output
+gradients in a stash slot, from which W forms the weight gradients.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import bisect
 from jaxtron.pipeline.ticks import (
     FORWARD,
     INPUT_GRAD,
+    RECOMPUTE,
     WEIGHT_GRAD,
     Action,
     Table,
@@ -66,45 +68,60 @@ def bubble_formula(stages: int, microbatches: int) -> float:
     return (p - 1) / (3 * m + p - 1)
 
 
-def zbv_table(stages: int, microbatches: int) -> Table:
+# R's run ahead of their gradients: 2 keeps zbv's idle at or below its stored table's (p = 4
+# and 8, m = 8 to 32) for three chunks' residuals; 1 idles more at p = 8, 4 more at p = 4.
+RECOMPUTED_AHEAD = 2
+
+
+def zbv_table(stages: int, microbatches: int, recompute: bool = False) -> Table:
     """ZB-V (the paper's V-shape): two chunks per rank, virtual stage d down the ranks and
     2p-1-d back up (`ticks.virtual_stage`), so rank 0 embeds and computes the loss, and the
     turn at rank p-1 needs no send. Placed tick by tick: each rank runs a ready B if it has one
     (the critical path), else a ready forward while it holds fewer than 2p chunk activations
     (1F1B's memory: p microbatches of a whole stage, a chunk being half of one), else its
-    oldest pending W, else it idles. `python -m jaxtron.pipeline.show --schedule zbv` draws
-    and checks it."""
+    oldest pending W, else it idles. With `recompute` each B waits for its R (the stage run
+    again, `schedules.py`): an R whose gradient has arrived comes before a forward, and up to
+    `RECOMPUTED_AHEAD` more run in place of a W, ahead of their gradients (each holds a chunk's
+    residuals until its B). `python -m jaxtron.pipeline.show --schedule zbv` draws and checks
+    it."""
     p, m = stages, microbatches
     last, cap = 2 * p - 1, 2 * p
     done: dict[tuple[int, int, int], int] = {}
     placed: list[list[tuple[int, Action]]] = [[] for _ in range(p)]
-    held, waiting_w = [0] * p, [[] for _ in range(p)]
-    # Forwards on a virtual stage run in microbatch order, so each stage's next is known;
-    # a rank's candidate B's are the chunk activations it holds (at most `cap`).
+    held, waiting_w, recomputed = [0] * p, [[] for _ in range(p)], [0] * p
+    # Forwards on a virtual stage run in microbatch order, so each stage's next is known.
+    # Per rank, in microbatch order, the later stage first, as (mb, later?, vs): the chunk
+    # activations held (at most `cap`), those whose gradient has arrived, those not recomputed.
+    # A job placed at a tick is recorded after every rank has picked, so these lists hold
+    # only what earlier ticks did.
     next_forward = [0] * (2 * p)
-    holding: list[list[tuple[int, int, int]]] = [[] for _ in range(p)]  # (mb, later?, vs)
+    holding: list[list[tuple[int, bool, int]]] = [[] for _ in range(p)]
+    arrived: list[list[tuple[int, bool, int]]] = [[] for _ in range(p)]
+    unrecomputed: list[list[tuple[int, bool, int]]] = [[] for _ in range(p)]
     tick = 0
 
-    def ready(key) -> bool:
-        return key in done and done[key] < tick
-
     def pick(d: int):
-        stages_here = [virtual_stage(d, c, p, True) for c in (1, 0)]  # later stage first
-        for mb, _, vs in holding[d]:  # in microbatch order, the later stage first
-            if (done[(FORWARD, mb, vs)] < tick
-                    and (vs == last or done.get((INPUT_GRAD, mb, vs + 1), tick) < tick)):
-                return INPUT_GRAD, mb, vs
+        awaited = None
+        for key in arrived[d]:
+            if not recompute or key not in unrecomputed[d]:
+                return INPUT_GRAD, key[0], key[2]
+            awaited = awaited or key
+        if awaited:  # a gradient waits for its R
+            return RECOMPUTE, awaited[0], awaited[2]
         if held[d] < cap:
-            for vs in stages_here:
+            for vs in (virtual_stage(d, c, p, True) for c in (1, 0)):  # later stage first
                 mb = next_forward[vs]
-                if mb < m and (ready((FORWARD, mb, vs - 1)) if vs else True):
+                if mb < m and (not vs or (FORWARD, mb, vs - 1) in done):
                     return FORWARD, mb, vs
+        if unrecomputed[d] and recomputed[d] < RECOMPUTED_AHEAD:
+            mb, _, vs = unrecomputed[d][0]
+            return RECOMPUTE, mb, vs
         if waiting_w[d]:
             mb, vs = waiting_w[d][0]
             return WEIGHT_GRAD, mb, vs
         return None
 
-    while len(done) < 3 * m * 2 * p:
+    while len(done) < (4 if recompute else 3) * m * 2 * p:
         if tick > 20 * (6 * m + p):
             raise RuntimeError(f"zbv deadlocked at tick {tick}")
         for d, job in [(d, pick(d)) for d in range(p)]:
@@ -113,13 +130,26 @@ def zbv_table(stages: int, microbatches: int) -> Table:
             kind, mb, vs = job
             done[job] = tick
             placed[d].append((tick, Action(kind, mb, owner(vs, p, True)[1])))
+            key = (mb, vs < p, vs)
             if kind == FORWARD:
                 held[d] += 1
                 next_forward[vs] += 1
-                bisect.insort(holding[d], (mb, vs < p, vs))
+                bisect.insort(holding[d], key)
+                if recompute:
+                    bisect.insort(unrecomputed[d], key)
+                if vs == last:  # the loss: its gradient starts here
+                    bisect.insort(arrived[d], key)
+            elif kind == RECOMPUTE:
+                recomputed[d] += 1
+                unrecomputed[d].remove(key)
             elif kind == INPUT_GRAD:
+                recomputed[d] -= recompute
                 waiting_w[d].append((mb, vs))
-                holding[d].remove((mb, vs < p, vs))
+                holding[d].remove(key)
+                arrived[d].remove(key)
+                if vs > 0:  # the previous virtual stage's gradient, usable from next tick
+                    before = vs - 1
+                    bisect.insort(arrived[owner(before, p, True)[0]], (mb, before < p, before))
             else:
                 waiting_w[d].pop(0)
                 held[d] -= 1

@@ -66,7 +66,8 @@ def idle_fraction(layout: Layout) -> float:
 def _table_idle(schedule: str, stages: int, microbatches: int, virtual: int,
                 recompute: bool) -> float:
     """Walked once per table shape: the planner asks for thousands of layouts."""
-    return weighted_idle(schedule_table(schedule, stages, microbatches, virtual), recompute)
+    return weighted_idle(schedule_table(schedule, stages, microbatches, virtual, recompute),
+                         recompute)
 
 
 def intra_node(layout: Layout, axis: str, node_size: int) -> bool:

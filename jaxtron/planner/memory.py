@@ -301,23 +301,28 @@ def microbatch_tokens(config: Config, layout: Layout) -> int:
     return microbatch_sequences(config, layout) * config.data.seq_len // layout.sequence
 
 
-def schedule_table(schedule: str, stages: int, microbatches: int, virtual: int):
+def schedule_table(schedule: str, stages: int, microbatches: int, virtual: int,
+                   recompute: bool):
     """The tick table a layout runs (built once per shape by `build_table`)."""
-    return build_table(schedule, stages, microbatches, virtual)
+    return build_table(schedule, stages, microbatches, virtual, recompute)
 
 
-def zb_stashes(layout: Layout) -> int:
-    """Stashes a zero-bubble rank holds at once: its table's slots and the one B returns
-    before it is written into its slot."""
+def layout_table(layout: Layout):
     return schedule_table(layout.schedule, layout.stage, layout.microbatches,
-                          layout.virtual_stages).w_slots + 1
+                          layout.virtual_stages, layout.recompute)
+
+
+def split_stashes(layout: Layout) -> int:
+    """Stashes a split-backward rank holds at once: its table's slots and the one B returns
+    before it is written into its slot."""
+    return layout_table(layout).w_slots + 1
 
 
 def stored_residuals(layout: Layout) -> int:
-    """Chunk residuals a rank holds at once without recomputation: its table's slots and the
-    ones a forward returns before they are written into their slot."""
-    return schedule_table(layout.schedule, layout.stage, layout.microbatches,
-                          layout.virtual_stages).res_slots + 1
+    """Chunk residuals a rank holds at once from its forwards (without recomputation) or its
+    R's: its table's slots and the ones a job returns before they are written into their
+    slot."""
+    return layout_table(layout).res_slots + 1
 
 
 def predict(config: Config, layout: Layout) -> Memory:
@@ -345,16 +350,16 @@ def predict(config: Config, layout: Layout) -> Memory:
         in_flight = (layout.microbatches if layout.schedule == "gpipe"
                      else min(layout.microbatches, layout.stage * layout.virtual_stages))
         if layout.schedule == "zbv":  # chunk inputs held, as its greedy table places them
-            in_flight = schedule_table("zbv", layout.stage, layout.microbatches,
-                                       layout.virtual_stages).act_slots
+            in_flight = layout_table(layout).act_slots
         stage_input = e * tokens * m.d_model
         chunk = math.ceil(layers / layout.virtual_stages)
         # + the embedding and head gathered whole from their stage slices, on every rank
         activations = in_flight * stage_input + chunk * kept + working + end_bytes(config,
                                                                                    layout)
-        if layout.schedule in ("zb-h1", "zbv"):  # B's stashes (a chunk's activations)
-            activations += zb_stashes(layout) * chunk * unsaved
-        if not layout.recompute:  # each forward's residuals until its backward
+        table = layout_table(layout)
+        if table.split:  # B's stashes (a chunk's activations)
+            activations += split_stashes(layout) * chunk * unsaved
+        if not layout.recompute or table.recomputes:  # residuals from F or R until B
             # the ends' behind their conditionals too: norms and the head's logits
             ends = e * tokens * 3 * m.d_model + 4 * tokens * m.vocab_size / layout.tensor
             activations += stored_residuals(layout) * (chunk * kept + ends)

@@ -169,7 +169,8 @@ def _stage(config: Config, layout: Layout) -> tuple[float, float]:
     m = config.model
     e = np.dtype(m.compute_dtype).itemsize
     tokens = microbatch_tokens(config, layout)
-    sends = _sends(layout.schedule, p, layout.microbatches, layout.virtual_stages)
+    sends = _sends(layout.schedule, p, layout.microbatches, layout.virtual_stages,
+                   layout.recompute)
     per_pass = sends / p * e * tokens * m.d_model
     ends = end_bytes(config, layout)  # per device, before the split over stages
     # the one table goes to both ends (in a V both are rank 0)
@@ -179,9 +180,10 @@ def _stage(config: Config, layout: Layout) -> tuple[float, float]:
 
 
 @functools.lru_cache(maxsize=4096)
-def _sends(schedule: str, stages: int, microbatches: int, virtual: int) -> int:
+def _sends(schedule: str, stages: int, microbatches: int, virtual: int,
+           recompute: bool) -> int:
     """A table's sends, counted once per shape: the planner asks for millions of layouts."""
-    return transfers(schedule_table(schedule, stages, microbatches, virtual))
+    return transfers(schedule_table(schedule, stages, microbatches, virtual, recompute))
 
 
 def _data_and_fsdp(out, layout: Layout, grads: float, passes: int, reduce_scatter: bool,

@@ -77,7 +77,7 @@ class StagedModel:
         units = None if counts is None else tuple(n // every for n in counts)
         self.layer_split = split_layers(c.moe.stacked_layers(c.model.num_layers) // every, p, v,
                                         units, v_shape)
-        self.table = build_table(c.pipeline.schedule, p, m, v)
+        self.table = build_table(c.pipeline.schedule, p, m, v, c.pipeline.recompute)
         # Evaluation cuts the batch as finely as a training step does (microbatches of every
         # accumulation step), so it never holds larger activations than training.
         self.eval_table = forward_table(p, m * c.optim.grad_accum, v, v_shape)
