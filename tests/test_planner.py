@@ -140,10 +140,10 @@ def test_communication_is_checked_on_every_kind_of_layout():
                               f"{' dropless' if validate.DROPLESS_EP[0] in base else ''}"
                               for layout, base in TRAFFIC_CASES])
 def test_predicted_communication_matches_the_compiled_step(layout, base):
-    """Bytes sent per device per step, predicted vs counted in the compiled step, on 32
+    """Bytes sent per device per step, predicted vs counted in the compiled step, on 40
     layouts: data, fsdp, tensor with and without sequence parallelism, ZeRO-1/2, accumulation
-    and recompute policies together, ring attention, 1F1B and interleaved pipelines, expert
-    parallelism."""
+    and recompute policies together, ring attention, every schedule's pipeline (one with
+    tensor and sequence parallelism inside its stages), expert parallelism."""
     [row] = validate.run((layout,), base)
     errors = row.traffic_errors()
     print(row.layout.describe(), {b: f"{e:+.1%}" for b, e in errors.items()})

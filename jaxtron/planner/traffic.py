@@ -159,7 +159,9 @@ def _all_to_all(config: Config, layout: Layout, n: int) -> float:
 def _stage(config: Config, layout: Layout) -> tuple[float, float]:
     """(bytes per run of the schedule, bytes per step) over `stage`. Each send the tick table
     makes carries one microbatch activation (or its gradient) A to a neighbour, and nothing
-    else is sent: `ticks.transfers` of them per run, transfers / p A per device. The
+    else is sent: `ticks.transfers` of them per run, transfers / p A per device; with sequence
+    parallelism the activation stays split over `tensor` along the sequence, so each device
+    sends A / tensor (Megatron-LM's scatter-gather of pipeline sends). The
     embedding and head are stored split over the p ranks: per pass the p-1 other slices of
     each travel to the rank that uses it, (p-1)/p^2 of the table per device, and their
     gradients go back once per step."""
@@ -171,7 +173,8 @@ def _stage(config: Config, layout: Layout) -> tuple[float, float]:
     tokens = microbatch_tokens(config, layout)
     sends = _sends(layout.schedule, p, layout.microbatches, layout.virtual_stages,
                    layout.recompute)
-    per_pass = sends / p * e * tokens * m.d_model
+    split = layout.tensor if layout.sequence_parallel else 1
+    per_pass = sends / p * e * tokens * m.d_model / split
     ends = end_bytes(config, layout)  # per device, before the split over stages
     # the one table goes to both ends (in a V both are rank 0)
     ends *= 2 if m.tied_embeddings and layout.schedule != "zbv" else 1
