@@ -158,13 +158,3 @@ def test_interleaved_warmup_fitted_to_lockstep_idles_less_than_megatrons(p, v, m
         assert weighted_idle(ours, recompute) <= weighted_idle(megatrons, recompute) + 1e-12
         same_jobs = megatrons_interleaved_table(p, m, v, split=True, recompute=recompute)
         assert weighted_idle(ours, recompute) <= weighted_idle(same_jobs, recompute) + 1e-12
-
-
-@pytest.mark.parametrize("p, m", [(4, 8), (8, 32)])
-def test_interleaved_and_recomputing_zbv_still_idle_past_their_formula(p, m):
-    """The gaps left: at p=4, m=8 interleaved idles 0.256 (0.319 with Megatron's warm-up)
-    against its formula's 0.158; recomputing zbv 0.312 against 0.059."""
-    ours, megatrons = build_table("interleaved", p, m, 2), megatrons_interleaved_table(p, m, 2)
-    assert weighted_idle(ours, True) < weighted_idle(megatrons, True) - 0.03
-    assert weighted_idle(ours, True) > formula_idle("interleaved", p, m, 2) + 0.05
-    assert weighted_idle(build_table("zbv", p, m), True) > formula_idle("zbv", p, m) + 0.1

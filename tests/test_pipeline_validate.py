@@ -18,8 +18,10 @@ from jaxtron.pipeline.ticks import WEIGHT_GRAD, virtual_stage
     ("gpipe", 2, 1, 3), ("gpipe", 4, 1, 8), ("1f1b", 2, 1, 1), ("1f1b", 4, 1, 3),
     ("1f1b", 4, 1, 8), ("1f1b", 8, 1, 16), ("interleaved", 2, 2, 4), ("interleaved", 4, 2, 8),
     ("interleaved", 4, 3, 4)])
-def test_every_engine_schedule_passes_and_holds_what_its_formula_says(schedule, p, v, m):
-    result = check(build_table(schedule, p, m, v))
+@pytest.mark.parametrize("recompute", [True, False])
+def test_every_engine_schedule_passes_and_holds_what_its_formula_says(schedule, p, v, m,
+                                                                       recompute):
+    result = check(build_table(schedule, p, m, v, recompute))
     if schedule == "gpipe":
         assert result.peak_in_flight == (m,) * p
     elif schedule == "1f1b":  # rank d: its p - d - 1 warm-up forwards and one more
@@ -79,11 +81,13 @@ def test_show_draws_zb_h1_with_its_bubble():
 
 @pytest.mark.parametrize("p", [2, 4, 8])
 @pytest.mark.parametrize("m", [2, 8, 16, 32])
-def test_zbv_nearly_removes_the_bubble_at_1f1bs_memory(p, m):
+@pytest.mark.parametrize("recompute", [True, False])
+def test_zbv_nearly_removes_the_bubble_at_1f1bs_memory(p, m, recompute):
     """Two chunks per rank in a V: both ends on rank 0, a smaller bubble than ZB-H1's at the
     same (p, m) (ticks of chunk jobs against ticks of stage jobs), and at most 2p chunk
-    activations held, 1F1B's p whole stages."""
-    table = build_table("zbv", p, m)
+    activations held, 1F1B's p whole stages; recomputing, with an R before each B."""
+    table = build_table("zbv", p, m, recompute=recompute)
+    assert table.recomputes == recompute
     result = check(table)
     assert table.v_shape and table.virtual == 2
     assert set(table.chunk[table.kind > 0]) == {0, 1}

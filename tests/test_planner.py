@@ -140,7 +140,7 @@ def test_communication_is_checked_on_every_kind_of_layout():
                               f"{' dropless' if validate.DROPLESS_EP[0] in base else ''}"
                               for layout, base in TRAFFIC_CASES])
 def test_predicted_communication_matches_the_compiled_step(layout, base):
-    """Bytes sent per device per step, predicted vs counted in the compiled step, on 40
+    """Bytes sent per device per step, predicted vs counted in the compiled step, on 42
     layouts: data, fsdp, tensor with and without sequence parallelism, ZeRO-1/2, accumulation
     and recompute policies together, ring attention, every schedule's pipeline (one with
     tensor and sequence parallelism inside its stages), expert parallelism."""

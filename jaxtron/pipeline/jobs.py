@@ -51,7 +51,7 @@ class Carry:
     grads_in: jax.Array | None = None  # [grad_slots + 1, *x]: received gradients (training)
     metrics: tuple | None = None  # (scalars, per-chunk arrays), training
     grads: Grads | None = None  # training
-    res: list | None = None  # [res_slots, ...] per residual: recompute=False
+    res: list | None = None  # [res_slots, ...] per residual: recompute=False, or R's
     stash: list | None = None  # [w_slots, ...] per stashed value: split tables
 
 

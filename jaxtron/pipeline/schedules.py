@@ -15,7 +15,8 @@ beside a neighbour's forward would stall it; as B and W, every job is one forwar
 W, off the gradients' path, shortens the cool-down as well. When the stage is recomputed
 (`pipeline.recompute: true`) interleaved and zbv run the recomputation as a job of its own, R,
 before each B (which then reads R's residuals, as without recomputation): one forward of work
-like the others, placed as soon as the rank reaches it, before the gradient arrives. ZB-H1's B
+like the others, run before its gradient arrives (interleaved's as soon as the rank reaches it
+in its order; zbv's greedy V runs up to two ahead, `zero_bubble.zbv_table`). ZB-H1's B
 recomputes itself: its W's already fill the ticks a longer B leaves, so it keeps its formula's
 idle and 1F1B's memory without R's residuals.
 

@@ -99,8 +99,8 @@ class Table(TickTable):
     recv_grad_self: np.ndarray
     send_dir: np.ndarray
     v_shape: bool = False  # chunks placed down and back up the ranks (`virtual_stage`)
-    # where a forward leaves the residuals its backward reads (`pipeline.recompute: false`),
-    # held from the forward to the backward (or B); res_slots of them per rank
+    # where a forward (`pipeline.recompute: false`) or an R leaves the residuals its backward
+    # reads, held from that job to the backward (or B); res_slots of them per rank
     res_slot: np.ndarray | None = None
     res_slots: int = 0
 

@@ -90,7 +90,7 @@ def zbv_table(stages: int, microbatches: int, recompute: bool = False) -> Table:
     placed: list[list[tuple[int, Action]]] = [[] for _ in range(p)]
     held, waiting_w, recomputed = [0] * p, [[] for _ in range(p)], [0] * p
     # Forwards on a virtual stage run in microbatch order, so each stage's next is known.
-    # Per rank, in microbatch order, the later stage first, as (mb, later?, vs): the chunk
+    # Per rank, in microbatch order, the later stage first, as (mb, earlier?, vs): the chunk
     # activations held (at most `cap`), those whose gradient has arrived, those not recomputed.
     # A job placed at a tick is recorded after every rank has picked, so these lists hold
     # only what earlier ticks did.

@@ -36,7 +36,7 @@ SAVE_DOTS_OVERHEAD = 0.03
 class Cost:
     comm_bytes: dict          # axis -> bytes sent per device per step
     comm_s: dict              # axis -> seconds
-    bubble: float             # the tick table's idle cells (every job one tick)
+    bubble: float             # the schedule's formula (`schedules.formula_idle`)
     idle: float               # a rank's idle share with jobs at their real lengths
     compute_s: float
     step_s: float
