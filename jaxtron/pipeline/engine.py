@@ -99,6 +99,9 @@ def pipeline_value_and_grad(table: Table, mesh: Mesh, first_fn: Callable, stage_
     Lmax, ...]`. Without recomputation (`recompute=False`) a forward also leaves the
     residuals its backward reads (`stored_vjp.py`).
     """
+    if table.recomputes and not recompute:
+        raise ValueError("a table with R jobs recomputes its stages: build it for "
+                         "pipeline.recompute=false (schedules.build_table) instead")
     program = Program(table, mesh, first_fn, stage_fn, last_fn)
 
     def body(replicas, *args):
