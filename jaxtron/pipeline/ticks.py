@@ -20,6 +20,7 @@ The idle cells are the bubble.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import heapq
 
 import numpy as np
@@ -108,7 +109,7 @@ class Table(TickTable):
     def split(self) -> bool:
         return self.w_slots > 0
 
-    @property
+    @functools.cached_property
     def recomputes(self) -> bool:
         """Whether the stage is run again as its own job (R) before each B, which then reads
         R's residuals: every job one forward of work."""

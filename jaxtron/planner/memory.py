@@ -312,19 +312,6 @@ def layout_table(layout: Layout):
                           layout.virtual_stages, layout.recompute)
 
 
-def split_stashes(layout: Layout) -> int:
-    """Stashes a split-backward rank holds at once: its table's slots and the one B returns
-    before it is written into its slot."""
-    return layout_table(layout).w_slots + 1
-
-
-def stored_residuals(layout: Layout) -> int:
-    """Chunk residuals a rank holds at once from its forwards (without recomputation) or its
-    R's: its table's slots and the ones a job returns before they are written into their
-    slot."""
-    return layout_table(layout).res_slots + 1
-
-
 def predict(config: Config, layout: Layout) -> Memory:
     """Per-device bytes of `config` run under `layout`."""
     params, moments, grads = state_bytes(config, layout)
@@ -347,22 +334,24 @@ def predict(config: Config, layout: Layout) -> Memory:
     kept = (unsaved if layout.remat == "none"
             else layer_activation_bytes(config, layout, tokens, layout.remat))
     if layout.stage > 1:
+        table = layout_table(layout)
         in_flight = (layout.microbatches if layout.schedule == "gpipe"
                      else min(layout.microbatches, layout.stage * layout.virtual_stages))
         if layout.schedule == "zbv":  # chunk inputs held, as its greedy table places them
-            in_flight = layout_table(layout).act_slots
+            in_flight = table.act_slots
         stage_input = e * tokens * m.d_model
         chunk = math.ceil(layers / layout.virtual_stages)
         # + the embedding and head gathered whole from their stage slices, on every rank
         activations = in_flight * stage_input + chunk * kept + working + end_bytes(config,
                                                                                    layout)
-        table = layout_table(layout)
+        # Slotted values a rank holds at once: its table's slots and the one a job returns
+        # before it is written into its slot.
         if table.split:  # B's stashes (a chunk's activations)
-            activations += split_stashes(layout) * chunk * unsaved
+            activations += (table.w_slots + 1) * chunk * unsaved
         if not layout.recompute or table.recomputes:  # residuals from F or R until B
             # the ends' behind their conditionals too: norms and the head's logits
             ends = e * tokens * 3 * m.d_model + 4 * tokens * m.vocab_size / layout.tensor
-            activations += stored_residuals(layout) * (chunk * kept + ends)
+            activations += (table.res_slots + 1) * (chunk * kept + ends)
     else:
         activations = layers * kept + working
     vocab = m.vocab_size / layout.tensor
