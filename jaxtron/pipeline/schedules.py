@@ -45,7 +45,6 @@ from jaxtron.pipeline.ticks import (
 from jaxtron.pipeline.zero_bubble import bubble_formula, split_orders, zbv_table
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
-SPLIT_SCHEDULES = ("interleaved", "zb-h1", "zbv")  # each backward as B and W
 
 
 def device_orders(schedule: str, stages: int, microbatches: int, virtual: int = 1,
@@ -78,15 +77,11 @@ def device_orders(schedule: str, stages: int, microbatches: int, virtual: int = 
 
 def split_backward(order: list[Action], recompute: bool) -> list[Action]:
     """`order` with each whole backward as B then W, and with `recompute` an R before each B."""
+    kinds = ([RECOMPUTE] if recompute else []) + [INPUT_GRAD, WEIGHT_GRAD]
     out = []
     for a in order:
-        if a.kind in (BACKWARD, INPUT_GRAD) and recompute:
-            out.append(Action(RECOMPUTE, a.microbatch, a.chunk))
-        if a.kind == BACKWARD:
-            out += [Action(INPUT_GRAD, a.microbatch, a.chunk),
-                    Action(WEIGHT_GRAD, a.microbatch, a.chunk)]
-        else:
-            out.append(a)
+        out += ([Action(kind, a.microbatch, a.chunk) for kind in kinds] if a.kind == BACKWARD
+                else [a])
     return out
 
 

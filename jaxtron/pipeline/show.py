@@ -22,7 +22,7 @@ import argparse
 import sys
 
 from jaxtron.pipeline import table_check, timeline, zero_bubble
-from jaxtron.pipeline.schedules import SCHEDULES, SPLIT_SCHEDULES, build_table, formula_idle
+from jaxtron.pipeline.schedules import SCHEDULES, build_table, formula_idle
 from jaxtron.pipeline.ticks import Table, render
 
 
@@ -60,7 +60,7 @@ def main(argv=None) -> int:
 def describe(schedule: str, table: Table, checked: table_check.Check) -> str:
     """The table's size, bubble and memory, beside its formula."""
     p, m, v = table.stages, table.microbatches, table.virtual
-    one_f_one_b = f"1F1B in the same units: (p-1)/(m+p-1) = {(p - 1) / (m + p - 1):.4f}"
+    one_f_one_b = f"1F1B in the same units: (p-1)/(m+p-1) = {formula_idle('1f1b', p, m):.4f}"
     jobs = "F = R = B = W" if table.recomputes else "F = B = W"
     if schedule == "zbv":  # two half-stage chunks per rank: a tick is half a stage's job
         return (f"zbv: {p} stages, {m} microbatches, 2 chunks per rank in a V, {jobs} = one "
@@ -72,11 +72,11 @@ def describe(schedule: str, table: Table, checked: table_check.Check) -> str:
                 f"ticks, bubble {table.bubble:.4f} (formula (p-1)/(3m+p-1) = "
                 f"{zero_bubble.bubble_formula(p, m):.4f}; {one_f_one_b}); microbatches held "
                 f"per rank at most {max(checked.peak_in_flight)} (1F1B: {min(p, m)})")
-    formula = (p - 1) / (v * m + p - 1)
-    split = f", {jobs} = one tick" if schedule in SPLIT_SCHEDULES else ""
+    split = f", {jobs} = one tick" if table.split else ""
     return (f"{schedule}: {p} stages, {m} microbatches, {v} chunk(s) per rank{split}: "
             f"{table.ticks} ticks, bubble {table.bubble:.4f} (formula (p-1)/(v*m+p-1) = "
-            f"{formula:.4f}); activations held per rank at most {table.act_slots}")
+            f"{formula_idle(schedule, p, m, v):.4f}); activations held per rank at most "
+            f"{table.act_slots}")
 
 
 def idle_shares(p: int, m: int, v: int) -> list[tuple[str, float, float, float, float]]:
