@@ -161,6 +161,24 @@ def test_activation_memory_shrinks_as_the_recompute_policy_promises():
     assert full < dots < none
 
 
+def test_the_search_predicts_each_layout_as_predict_does_and_skips_only_what_cannot_fit():
+    """The search shares a variant's activations between its ZeRO stages and predicts none
+    where the state alone is over the budget: each layout's memory is still `predict`'s, and
+    a layout left unpredicted is one whose state exceeds the budget."""
+    config = load_config("configs/moe-tiny.yaml", validate.BASE)
+    budget = 30 * 2**20
+    found = list(candidates(config, 8, HARDWARE["h100"], "gpu", budget))
+    skipped = [c for c in found if c.memory is None]
+    assert skipped and len(skipped) < len(found)
+    assert all(sum(state_bytes(config, c.layout)) > budget for c in skipped)
+    assert {c.layout.zero_stage for c in found if c.memory} == {0, 1, 2}
+    assert any(c.cost for c in found) and any(c.memory and not c.cost for c in found)
+    for c in found:
+        if c.memory is not None:
+            assert c.memory == predict(config, c.layout), c.layout
+            assert (c.cost is not None) == (c.memory.total <= budget)
+
+
 def test_plan_cli_ranks_and_applies_the_best_layout(tmp_path):
     out = tmp_path / "planned.yaml"
     result = subprocess.run(

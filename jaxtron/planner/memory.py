@@ -125,53 +125,54 @@ def expert_gradient_bytes(config: Config, layout: Layout) -> int:
     return int(_param_bytes(config, layout.degrees(), layout.stage, "expert"))
 
 
+_KEPT: dict[tuple, tuple] = {}
+
+
+def _kept(config: Config, key: tuple, compute):
+    """`compute()`, kept by `key` and the identity of the config's model and MoE sections: the
+    planner asks a million times, and hashing the model config would cost more than the
+    answer. A kept answer is used only while those very sections are alive and asked again."""
+    full = (id(config.model), id(config.moe)) + key
+    kept = _KEPT.get(full)
+    if kept is not None and kept[0] is config.model and kept[1] is config.moe:
+        return kept[2]
+    if len(_KEPT) > 65536:
+        _KEPT.clear()
+    answer = compute()
+    _KEPT[full] = (config.model, config.moe, answer)
+    return answer
+
+
 def _param_bytes(config: Config, degrees: dict, stage: int, which: str) -> float:
-    return _selected_bytes(config.model, config.moe, tuple(degrees.items()), stage, which)
-
-
-@functools.lru_cache(maxsize=65536)
-def _selected_bytes(model, moe, degrees: tuple, stage: int, which: str) -> float:
     """Bytes on one device, by the parameter rules, of the parameters `which` names: those with
     a `layers` or an `expert` axis, or the ends (outside the repeated block stack)."""
-    config, degrees = Config(model=model, moe=moe), dict(degrees)
-    rules = param_rules(config)
-    return sum(itemsize * _sharded_elements(shape, names, rules, degrees, stage)
-               for shape, names, itemsize, stacked in _shapes(config)
-               if ((not stacked) if which == "ends" else which in names))
-
-
-_STATES: dict[tuple, tuple] = {}
+    def selected() -> float:
+        rules = param_rules(config)
+        return sum(itemsize * _sharded_elements(shape, names, rules, degrees, stage)
+                   for shape, names, itemsize, stacked in _shapes(config)
+                   if ((not stacked) if which == "ends" else which in names))
+    return _kept(config, ("selected", tuple(degrees.items()), stage, which), selected)
 
 
 def state_bytes(config: Config, layout: Layout,
                 zero_stage: int | None = None) -> tuple[int, int, int]:
     """(parameters, Adam moments, gradients) bytes on one device; `zero_stage` in place of the
-    layout's. Kept by the identity of the model's config: the planner asks a million times, and
-    hashing the model config for `_state_bytes`'s cache would cost more than the answer."""
+    layout's. The planner asks for every variant of a mesh (remat, microbatches,
+    schedules...), which all hold the same state: it is worked out once per mesh."""
     zero = layout.zero_stage if zero_stage is None else zero_stage
     doubled = layout.grad_accum > 1 or layout.stage > 1
-    key = (id(config.model), id(config.moe), config.optim.moment_dtype, zero, layout.data,
-           layout.fsdp, layout.tensor, layout.sequence, layout.expert, layout.stage, doubled)
-    kept = _STATES.get(key)
-    if kept is not None and kept[0] is config.model and kept[1] is config.moe:
-        return kept[2]
-    if len(_STATES) > 65536:
-        _STATES.clear()
-    answer = _state_bytes(config.model, config.moe, config.optim.moment_dtype, zero,
-                          tuple(layout.degrees().items()), layout.stage, doubled)
-    _STATES[key] = (config.model, config.moe, answer)
-    return answer
+    degrees = (layout.stage, layout.data, layout.fsdp, layout.expert, layout.sequence,
+               layout.tensor)
+    return _kept(config, ("state", config.optim.moment_dtype, zero, degrees, doubled),
+                 lambda: _state_bytes(config, config.optim.moment_dtype, zero,
+                                      layout.degrees(), layout.stage, doubled))
 
 
-@functools.lru_cache(maxsize=65536)
-def _state_bytes(model, moe, moment_dtype: str, zero_stage: int, degrees: tuple, stage: int,
-                 doubled: bool) -> tuple[int, int, int]:
-    """`state_bytes` of one mesh: the planner asks for it for every variant of a mesh (remat,
-    microbatches, schedules...), which all hold the same state."""
-    config = Config(model=model, moe=moe)
+def _state_bytes(config: Config, moment_dtype: str, zero_stage: int, degrees: dict,
+                 stage: int, doubled: bool) -> tuple[int, int, int]:
+    config = Config(model=config.model, moe=config.moe)
     config = dataclasses.replace(config, optim=dataclasses.replace(
         config.optim, zero_stage=zero_stage, moment_dtype=moment_dtype))
-    degrees = dict(degrees)
     prules, orules = param_rules(config), optimizer_rules(config)
     # ZeRO-2 reduce-scatters this rank's whole gradient once per step (as Megatron-LM's
     # distributed optimizer does): until then the rank holds all of it; with one data rank
@@ -314,7 +315,25 @@ def layout_table(layout: Layout):
 
 def predict(config: Config, layout: Layout) -> Memory:
     """Per-device bytes of `config` run under `layout`."""
-    params, moments, grads = state_bytes(config, layout)
+    return with_state(config, state_bytes(config, layout), activation_bytes(config, layout))
+
+
+def with_state(config: Config, state: tuple[int, int, int],
+               activations: tuple[int, int]) -> Memory:
+    """A layout's memory from its state (`state_bytes`) and its (activations, logits)
+    (`activation_bytes`)."""
+    params, moments, grads = state
+    activations, logits = activations
+    if config.optim.host_moments:
+        # In host memory between steps; on the device only for the update, when the
+        # activations and logits are gone: only what exceeds them raises the peak.
+        moments = max(0, moments - activations - logits)
+    return Memory(params, moments, grads, activations, logits)
+
+
+def activation_bytes(config: Config, layout: Layout) -> tuple[int, int]:
+    """(activations, fp32 logits and their gradient) bytes per device: the same whatever the
+    layout's ZeRO stage."""
     m = config.model
     e = np.dtype(m.compute_dtype).itemsize
     tokens = microbatch_tokens(config, layout)
@@ -357,11 +376,7 @@ def predict(config: Config, layout: Layout) -> Memory:
     vocab = m.vocab_size / layout.tensor
     loss_tokens = (min(tokens, m.loss_chunk_tokens) if m.cross_entropy == "chunked" else tokens)
     logits = 2 * 4 * loss_tokens * vocab
-    if config.optim.host_moments:
-        # In host memory between steps; on the device only for the update, when the
-        # activations and logits are gone: only what exceeds them raises the peak.
-        moments = max(0, moments - int(activations) - int(logits))
-    return Memory(params, moments, grads, int(activations), int(logits))
+    return int(activations), int(logits)
 
 
 def memory_budget_bytes(text: str) -> int:

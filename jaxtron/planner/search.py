@@ -24,7 +24,7 @@ from jaxtron.errors import ConfigError
 from jaxtron.planner.cost import Cost, estimate
 from jaxtron.planner.hardware import Hardware
 from jaxtron.planner.layout import Layout, apply
-from jaxtron.planner.memory import Memory, predict
+from jaxtron.planner.memory import Memory, activation_bytes, state_bytes, with_state
 
 REMATS = ("none", "save_dots", "full", "offload")  # offload: not on CPUs (no host memory kind)
 
@@ -32,7 +32,7 @@ REMATS = ("none", "save_dots", "full", "offload")  # offload: not on CPUs (no ho
 @dataclasses.dataclass(frozen=True)
 class Candidate:
     layout: Layout
-    memory: Memory
+    memory: Memory | None  # None: its state alone exceeds the budget
     cost: Cost | None
 
 
@@ -139,11 +139,23 @@ def _variants(config: Config, mesh: Layout, remats: tuple[str, ...]):
 def candidates(config: Config, devices: int, hardware: Hardware, platform: str = "gpu",
                budget: float = float("inf")):
     """Every layout with its predicted memory, and its step time where the memory fits
-    `budget` (a layout that cannot run needs no timing: cost None)."""
+    `budget` (a layout that cannot run needs no timing: cost None). Where the parameters,
+    gradients and optimizer state alone exceed `budget`, no activations can make the layout
+    fit and none are predicted: memory None."""
     remats = REMATS if platform != "cpu" else REMATS[:-1]
     for mesh in _meshes(config, devices, hardware.node_size):
+        activations = {}  # a mesh's variant holds the same activations at every ZeRO stage
         for layout in _variants(config, mesh, remats):
-            memory = predict(config, layout)
+            state = state_bytes(config, layout)
+            if sum(state) > budget:
+                yield Candidate(layout, None, None)
+                continue
+            variant = (layout.sequence_parallel, layout.remat, layout.microbatches,
+                       layout.schedule, layout.virtual_stages, layout.grad_accum,
+                       layout.recompute)
+            if variant not in activations:
+                activations[variant] = activation_bytes(config, layout)
+            memory = with_state(config, state, activations[variant])
             yield Candidate(layout, memory, estimate(config, layout, hardware, platform)
                             if memory.total <= budget else None)
 
