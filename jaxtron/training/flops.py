@@ -17,6 +17,7 @@ average (w (w + 1) / 2 + (L - w) w) / L, at most w, in place of (L + 1) / 2.
 
 from __future__ import annotations
 
+import functools
 import time
 
 import jax
@@ -70,8 +71,10 @@ def training_flops_per_token(m: ModelConfig, seq_len: int, moe: MoEConfig | None
     return 6 * matmul_params(m, moe) + 3 * attention_forward_flops_per_token(m, seq_len)
 
 
+@functools.cache
 def measure_cpu_peak(size: int = 1024, seconds: float = 0.5) -> float:
-    """FLOP/s of an fp32 matmul on the whole machine (all simulated devices share its cores).
+    """FLOP/s of an fp32 matmul on the whole machine (all simulated devices share its cores),
+    measured once per process: the machine stays the same from one run to the next.
 
     XLA's default library: on one large square matmul oneDNN (`cpu_matmuls`) runs at the same
     speed within noise (164-190 against 164-176 GFLOP/s). The fastest single matmul counts, not
