@@ -5,7 +5,6 @@ import dataclasses
 import gc
 import json
 import os
-import tempfile
 from pathlib import Path
 
 # The tests compile far more than they run: their models are tiny and nearly every test builds
@@ -65,17 +64,19 @@ def corpus_cache(tmp_path_factory):
 @pytest.fixture(scope="session", autouse=True)
 def compilation_cache(tmp_path_factory):
     """One persistent XLA compilation cache for the session, shared by every xdist worker and
-    the CLI subprocesses: a program one of them compiled is read back by the others. A size
-    limit turns on the cache's file lock, so workers never read an entry half written."""
-    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    path = (str(Path(tempfile.gettempdir()) / f"jaxtron-xla-cache-{run}") if run
-            else str(tmp_path_factory.mktemp("xla-cache")))
+    the CLI subprocesses: a program one of them compiled is read back by the others. Every
+    program is kept, however quickly it compiled: reading one back beats compiling it again
+    (the many small ones included). It lives in the session's pytest folder (a worker's
+    parent), which pytest removes three sessions later. A size limit turns on the cache's
+    file lock, so workers never read an entry half written."""
+    base = tmp_path_factory.getbasetemp()
+    path = str((base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "xla-cache")
     settings = {"JAX_COMPILATION_CACHE_DIR": path,
-                "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.5",
+                "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
                 "JAX_COMPILATION_CACHE_MAX_SIZE": str(8 * 2**30)}
     os.environ.update(settings)
     jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_compilation_cache_max_size", 8 * 2**30)
     return path
 

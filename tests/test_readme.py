@@ -10,9 +10,10 @@ so are `make test` (this suite) and activating the environment (the tests alread
 it). Everything else runs, shrunk: every step count of a training command (`train.steps`, its
 config's own, `checkpoint.every`, an export's `--step`) is divided by 50, so a page's resumes and
 exports keep their meaning at a few steps, and benchmarks time one step. A `python -m jaxtron.X`
-command whose shell sees this process's devices runs in this process (its `main`, as the
-module's `__main__` calls it, in the scratch folder, output captured); the rest, such as
-`--devices` checks that must start JAX afresh, run as their own processes.
+command whose shell sees this process's devices, or that uses no devices (the planner),
+runs in this process (its `main`, as the module's `__main__` calls it, in the scratch folder,
+output captured); the rest, such as `--devices` checks that must start JAX afresh, run as their
+own processes.
 """
 
 import contextlib
@@ -48,6 +49,10 @@ TINY = {"jaxtron.train": TRAINING, "jaxtron.launch": TRAINING,
         "jaxtron.bench": ["--warmup", "1", "--steps", "1", "--repeats", "1"],
         "jaxtron.data.throughput": ["--batches", "5", "data.builtin_max_bytes=400000"]}
 STEP_SCALE = 50  # step counts divided by this (at least 1): the tiny config's 200 steps -> 4
+# Commands whose output does not depend on how many devices their process sees: they run in
+# this process whatever the page's device count. (The planner plans for its `--devices`; on
+# `--hardware cpu` it measures the machine, which all simulated devices share.)
+DEVICE_FREE = ("jaxtron.plan", "jaxtron.pipeline.show", "jaxtron.data.prepare")
 
 
 def readme_commands(page: str = "README.md") -> list[tuple[str, str | None]]:
@@ -130,7 +135,7 @@ def run(line: str, env: dict, cwd: Path) -> tuple[int, str, str]:
     env = {**env, **extra_env}
     fresh_jax = argv[2:3] == ["jaxtron.train"] and "--devices" in argv  # simulates devices
     here = (argv[1:2] == ["-m"] and argv[2].startswith("jaxtron.") and not fresh_jax
-            and devices_in(env) == jax.device_count())
+            and (devices_in(env) == jax.device_count() or argv[2] in DEVICE_FREE))
     if here:
         return run_in_process(argv, cwd)
     env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {FAST_COMPILE_FLAGS}".strip()
