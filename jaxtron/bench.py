@@ -43,6 +43,7 @@ import time
 import jax
 import numpy as np
 
+from jaxtron.config.flags import at_least
 from jaxtron.config.loading import (
     config_from_dict,
     config_to_dict,
@@ -253,6 +254,9 @@ def main(argv=None) -> int:
                         help="time a pipelined config once per pipeline schedule")
     parser.add_argument("--json", action="store_true", help="last line: one JSON object")
     args = parser.parse_intermixed_args(argv)
+    at_least("--warmup", args.warmup, 0, "give the untimed steps before timing, e.g. 3")
+    at_least("--steps", args.steps, 1, "time at least one step per window")
+    at_least("--repeats", args.repeats, 1, "time at least one window")
     keep_freed_host_memory()  # before JAX starts its threads
     config = load_config(args.config, args.overrides)
     config, chosen = schedule_choice.for_this_run(config)

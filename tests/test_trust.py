@@ -129,6 +129,18 @@ def test_plan_flags_are_checked(capsys, argv, fragment):
     assert fragment in one_line_error(capsys, status)
 
 
+@pytest.mark.parametrize("argv, fragment", [
+    (["--steps", "0"], "--steps 0 must be at least 1"),
+    (["--repeats", "-1"], "--repeats -1 must be at least 1"),
+    (["--warmup", "-2"], "--warmup -2 must be at least 0"),
+])
+def test_bench_flags_are_checked(capsys, argv, fragment):
+    from jaxtron import bench
+
+    assert fragment in one_line_error(capsys, bench.main(["--config", "configs/tiny.yaml",
+                                                          *argv]))
+
+
 def test_dry_run_takes_devices_0_as_given(capsys):
     from jaxtron import train
 
