@@ -64,19 +64,20 @@ def corpus_cache(tmp_path_factory):
 @pytest.fixture(scope="session", autouse=True)
 def compilation_cache(tmp_path_factory):
     """One persistent XLA compilation cache for the session, shared by every xdist worker and
-    the CLI subprocesses: a program one of them compiled is read back by the others. Every
-    program is kept, however quickly it compiled: reading one back beats compiling it again
-    (the many small ones included). It lives in the session's pytest folder (a worker's
-    parent), which pytest removes three sessions later. A size limit turns on the cache's
-    file lock, so workers never read an entry half written."""
+    the CLI subprocesses: a program one of them compiled is read back by the others. Only
+    programs that took half a second or more are kept: with every small one kept too, the
+    suite takes a fifth longer (each write also walks the folder to hold the size limit). It
+    lives in the session's pytest folder (a worker's parent), which pytest removes three
+    sessions later. A size limit turns on the cache's file lock, so workers never read an
+    entry half written."""
     base = tmp_path_factory.getbasetemp()
     path = str((base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "xla-cache")
     settings = {"JAX_COMPILATION_CACHE_DIR": path,
-                "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+                "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.5",
                 "JAX_COMPILATION_CACHE_MAX_SIZE": str(8 * 2**30)}
     os.environ.update(settings)
     jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     jax.config.update("jax_compilation_cache_max_size", 8 * 2**30)
     return path
 

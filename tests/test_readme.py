@@ -9,11 +9,11 @@ by the lowering tests, tests/test_gpu.py, tests/test_multihost.py and tests/test
 so are `make test` (this suite) and activating the environment (the tests already run inside
 it). Everything else runs, shrunk: every step count of a training command (`train.steps`, its
 config's own, `checkpoint.every`, an export's `--step`) is divided by 50, so a page's resumes and
-exports keep their meaning at a few steps, and benchmarks time one step. A `python -m jaxtron.X`
-command whose shell sees this process's devices, or that uses no devices (the planner),
-runs in this process (its `main`, as the module's `__main__` calls it, in the scratch folder,
-output captured); the rest, such as `--devices` checks that must start JAX afresh, run as their
-own processes.
+exports keep their meaning at a few steps, and benchmarks time one step without a warm-up. A
+`python -m jaxtron.X` command whose shell sees this process's devices, or that uses no devices
+(the planner), runs in this process (its `main`, as the module's `__main__` calls it, in the
+scratch folder, output captured); the rest, such as `--devices` checks that must start JAX
+afresh, run as their own processes.
 """
 
 import contextlib
@@ -46,7 +46,7 @@ NOT_RUN = {"make test": "this suite", "source .venv/bin/activate": "the tests ru
 # Appended to shrink a command (the training flags also to a launch's job); later overrides win.
 TRAINING = ["train.log_every=1", "train.eval_batches=1", "data.builtin_max_bytes=400000"]
 TINY = {"jaxtron.train": TRAINING, "jaxtron.launch": TRAINING,
-        "jaxtron.bench": ["--warmup", "1", "--steps", "1", "--repeats", "1"],
+        "jaxtron.bench": ["--warmup", "0", "--steps", "1", "--repeats", "1"],
         "jaxtron.data.throughput": ["--batches", "5", "data.builtin_max_bytes=400000"]}
 STEP_SCALE = 50  # step counts divided by this (at least 1): the tiny config's 200 steps -> 4
 # Commands whose output does not depend on how many devices their process sees: they run in
