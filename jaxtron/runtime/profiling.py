@@ -42,8 +42,8 @@ class StepProfiler:
 
 def plot_loss_curve(run_dir: Path) -> Path | None:
     """Write <run_dir>/loss.png from metrics.jsonl; None when nothing was logged. Drawn on a
-    figure of its own, without pyplot: no display (clusters have none), no global figure state
-    and a third of pyplot's import time."""
+    figure of its own, without pyplot: no display (clusters have none) and no global figure
+    state to close."""
     from matplotlib.figure import Figure
 
     records = metric_rows(run_dir)
