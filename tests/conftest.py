@@ -8,13 +8,14 @@ import os
 from pathlib import Path
 
 # The tests compile far more than they run: their models are tiny and nearly every test builds
-# new programs (about three quarters of a test's time is XLA's backend compile). LLVM's
-# optimisation level 0 cuts XLA:CPU's compile time by about 40%, and XLA:CPU's elemental
-# emitters in place of its fusion emitters more than halve what is left (three steps: 5.6 ->
-# 2.2 s). The sharding passes are a real run's, so collectives and the numbers every layout is
-# compared on are; buffer sizes and rounding differ a little, so the tests that measure
-# compiled memory, or compare two formulas at round-off, compile with `USERS_CODEGEN`. Subprocesses
-# inherit the flags; CLI runs of many steps drop them (`long_run_env`).
+# new programs (XLA's backend compile is about 40% of the suite's CPU time, tracing and lowering
+# another 24%: `make test ARGS=--compile-times`). LLVM's optimisation level 0 cuts XLA:CPU's
+# compile time by about 40%, and XLA:CPU's elemental emitters in place of its fusion emitters
+# more than halve what is left (three steps: 5.6 -> 2.2 s). The sharding passes are a real
+# run's, so collectives and the numbers every layout is compared on are; buffer sizes and
+# rounding differ a little, so the tests that measure compiled memory, or compare two formulas
+# at round-off, compile with `USERS_CODEGEN`. Subprocesses inherit the flags; CLI runs of many
+# steps drop them (`long_run_env`).
 FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 # What a test that measures compiled memory, or compares with an oracle at round-off, compiles
 # with instead: XLA:CPU's default emitters, as every run compiles (`compile(compiler_options=)`).
@@ -52,6 +53,8 @@ def pytest_configure(config):
             config.getoption("markexpr") or ""):
         os.environ["JAX_PLATFORMS"] = "cpu"
         jax.config.update("jax_platforms", "cpu")
+    if config.getoption("--compile-times"):
+        jax.monitoring.register_event_duration_secs_listener(_COMPILE_SECONDS.add)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -98,6 +101,43 @@ def pytest_collection_modifyitems(config, items):
 def pytest_addoption(parser):
     parser.addoption("--durations-file", action="store_true",
                      help="write each test's setup + call seconds to tests/durations.json")
+    parser.addoption("--compile-times", action="store_true",
+                     help="print the seconds the tests' processes (not the CLIs they start) "
+                          "spent tracing, lowering and compiling, from JAX's compile events")
+
+
+class CompileSeconds:
+    """Seconds spent on each stage of building programs, from JAX's duration events."""
+
+    EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "tracing",
+              "/jax/core/compile/jaxpr_to_mlir_module_duration": "lowering",
+              "/jax/core/compile/backend_compile_duration": "XLA compile"}
+
+    def __init__(self):
+        self.seconds = dict.fromkeys(self.EVENTS.values(), 0.0)
+
+    def add(self, event: str, seconds: float, **_):
+        """A `jax.monitoring` duration listener."""
+        if event in self.EVENTS:
+            self.seconds[self.EVENTS[event]] += seconds
+
+    def __str__(self):
+        return ", ".join(f"{name} {s:.0f}" for name, s in self.seconds.items())
+
+
+_COMPILE_SECONDS = CompileSeconds()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """A pytest-xdist worker's compile seconds, added to the session's."""
+    for name, seconds in getattr(node, "workeroutput", {}).get("compile_seconds", {}).items():
+        _COMPILE_SECONDS.seconds[name] += seconds
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    if config.getoption("--compile-times"):
+        terminalreporter.write_line(f"compile seconds: {_COMPILE_SECONDS}")
 
 
 _SECONDS: dict[str, float] = {}
@@ -109,6 +149,8 @@ def pytest_runtest_logreport(report):
 
 
 def pytest_sessionfinish(session):
+    if hasattr(session.config, "workeroutput"):  # a pytest-xdist worker reports to the session
+        session.config.workeroutput["compile_seconds"] = _COMPILE_SECONDS.seconds
     if session.config.getoption("--durations-file") and _SECONDS:
         rows = {k: round(v, 1) for k, v in sorted(_SECONDS.items(), key=lambda x: -x[1])
                 if v >= 0.5}

@@ -1,13 +1,15 @@
 """How the suite picks JAX's platform: the simulated CPU devices unless the session asks for
-the GPU tests, so that `pytest -m gpu` on a GPU machine tests the GPU."""
+the GPU tests, so that `pytest -m gpu` on a GPU machine tests the GPU; and what
+`--compile-times` counts."""
 
 import os
 import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 
-from conftest import selects_gpu_tests
+from conftest import CompileSeconds, selects_gpu_tests
 
 
 def test_gpu_sessions_leave_the_platform_to_jax():
@@ -37,3 +39,17 @@ def test_a_gpu_session_does_not_pin_the_cpu():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=120)
     assert "platforms None None" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
+
+
+def test_compile_times_count_each_stage_of_a_new_program():
+    """What `--compile-times` registers adds up JAX's tracing, lowering and compile events,
+    and nothing else JAX reports."""
+    counted = CompileSeconds()
+    jax.monitoring.register_event_duration_secs_listener(counted.add)
+    try:
+        jax.jit(lambda x: jnp.sin(x) * 3.0 + 1.0)(jnp.arange(7.0)).block_until_ready()
+        jax.monitoring.record_event_duration_secs("/jax/some/other/event", 100.0)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(counted.add)
+    assert all(0 < s < 100 for s in counted.seconds.values()), counted.seconds
+    assert str(counted).startswith("tracing ") and ", XLA compile " in str(counted)
