@@ -9,7 +9,7 @@ from pathlib import Path
 
 # The tests compile far more than they run: their models are tiny and nearly every test builds
 # new programs (XLA's backend compile is about 40% of the suite's CPU time, tracing and lowering
-# another 24%: `make test ARGS=--compile-times`). LLVM's optimisation level 0 cuts XLA:CPU's
+# another 22%: `make test ARGS=--compile-times`). LLVM's optimisation level 0 cuts XLA:CPU's
 # compile time by about 40%, and XLA:CPU's elemental emitters in place of its fusion emitters
 # more than halve what is left (three steps: 5.6 -> 2.2 s). The sharding passes are a real
 # run's, so collectives and the numbers every layout is compared on are; buffer sizes and
