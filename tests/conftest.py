@@ -5,6 +5,7 @@ import dataclasses
 import gc
 import json
 import os
+import resource
 from pathlib import Path
 
 # The tests compile far more than they run: their models are tiny and nearly every test builds
@@ -103,7 +104,8 @@ def pytest_addoption(parser):
                      help="write each test's setup + call seconds to tests/durations.json")
     parser.addoption("--compile-times", action="store_true",
                      help="print the seconds the tests' processes (not the CLIs they start) "
-                          "spent tracing, lowering and compiling, from JAX's compile events")
+                          "spent tracing, lowering and compiling, from JAX's compile events, "
+                          "and the CPU seconds of the test processes and of those they started")
 
 
 class CompileSeconds:
@@ -128,16 +130,34 @@ class CompileSeconds:
 _COMPILE_SECONDS = CompileSeconds()
 
 
+def cpu_seconds() -> dict[str, float]:
+    """User + system CPU seconds of this process, and of the processes it started and waited
+    for (theirs included): the CLIs, launchers and multi-process runs the tests start."""
+    own, started = (resource.getrusage(who)
+                    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    return {"test processes": own.ru_utime + own.ru_stime,
+            "processes they started": started.ru_utime + started.ru_stime}
+
+
+_WORKERS_CPU_SECONDS: list[dict[str, float]] = []
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node, error):
-    """A pytest-xdist worker's compile seconds, added to the session's."""
-    for name, seconds in getattr(node, "workeroutput", {}).get("compile_seconds", {}).items():
+    """A pytest-xdist worker's compile and CPU seconds, added to the session's."""
+    output = getattr(node, "workeroutput", {})
+    for name, seconds in output.get("compile_seconds", {}).items():
         _COMPILE_SECONDS.seconds[name] += seconds
+    if "cpu_seconds" in output:
+        _WORKERS_CPU_SECONDS.append(output["cpu_seconds"])
 
 
 def pytest_terminal_summary(terminalreporter, config):
     if config.getoption("--compile-times"):
         terminalreporter.write_line(f"compile seconds: {_COMPILE_SECONDS}")
+        processes = _WORKERS_CPU_SECONDS or [cpu_seconds()]  # the workers', or this process's
+        terminalreporter.write_line("CPU seconds: " + ", ".join(
+            f"{name} {sum(p[name] for p in processes):.0f}" for name in processes[0]))
 
 
 _SECONDS: dict[str, float] = {}
@@ -151,6 +171,7 @@ def pytest_runtest_logreport(report):
 def pytest_sessionfinish(session):
     if hasattr(session.config, "workeroutput"):  # a pytest-xdist worker reports to the session
         session.config.workeroutput["compile_seconds"] = _COMPILE_SECONDS.seconds
+        session.config.workeroutput["cpu_seconds"] = cpu_seconds()
     if session.config.getoption("--durations-file") and _SECONDS:
         rows = {k: round(v, 1) for k, v in sorted(_SECONDS.items(), key=lambda x: -x[1])
                 if v >= 0.5}

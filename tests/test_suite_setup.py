@@ -1,6 +1,6 @@
 """How the suite picks JAX's platform: the simulated CPU devices unless the session asks for
 the GPU tests, so that `pytest -m gpu` on a GPU machine tests the GPU; and what
-`--compile-times` counts."""
+`--compile-times` counts: compile stages and CPU seconds."""
 
 import os
 import subprocess
@@ -9,7 +9,7 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from conftest import CompileSeconds, selects_gpu_tests
+from conftest import CompileSeconds, cpu_seconds, selects_gpu_tests
 
 
 def test_gpu_sessions_leave_the_platform_to_jax():
@@ -53,3 +53,14 @@ def test_compile_times_count_each_stage_of_a_new_program():
         jax.monitoring.unregister_event_duration_listener(counted.add)
     assert all(0 < s < 100 for s in counted.seconds.values()), counted.seconds
     assert str(counted).startswith("tracing ") and ", XLA compile " in str(counted)
+
+
+def test_cpu_seconds_count_a_started_process_apart_from_the_test_process():
+    """A process started and waited for counts as started, not as the test process's own."""
+    before = cpu_seconds()
+    busy = "import time\nwhile time.process_time() < 0.5: pass"
+    subprocess.run([sys.executable, "-c", busy], check=True, timeout=60)
+    after = cpu_seconds()
+    started = after["processes they started"] - before["processes they started"]
+    own = after["test processes"] - before["test processes"]
+    assert started >= 0.5 and own < 0.25, (started, own)
