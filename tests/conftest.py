@@ -1,11 +1,15 @@
 """Eight simulated CPU devices for every test, a per-session corpus cache, one compilation
 cache for every worker of a session, and the longest tests first."""
 
+import contextlib
 import dataclasses
 import gc
+import importlib
+import io
 import json
 import os
 import resource
+import subprocess
 from pathlib import Path
 
 # The tests compile far more than they run: their models are tiny and nearly every test builds
@@ -221,6 +225,28 @@ def first_batch_objective_metrics_grads(config, devices: int):
         (objective, metrics), grads = trainer._grads(state.params, batch)
     return (float(objective), jax.device_get(metrics),
             jax.device_get(trainer.to_model_params(grads)))
+
+
+def run_in_process(module: str, *args: str, cwd=None) -> subprocess.CompletedProcess:
+    """`python -m <module> <args>` as its `__main__` runs it, but in this process with its
+    output captured: for a command test that checks what the command prints or writes, not
+    what a process of its own does (starting Python and importing JAX and jaxtron take about
+    2.5 s). Returns what `subprocess.run` would: exit status, stdout and stderr."""
+    main = importlib.import_module(module).main
+    out, err = io.StringIO(), io.StringIO()
+    before = os.getcwd()
+    try:
+        if cwd is not None:
+            os.chdir(cwd)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                status = main(list(args))
+            except SystemExit as exit_:  # argparse's --help and its usage errors
+                status = exit_.code
+    finally:
+        os.chdir(before)
+    return subprocess.CompletedProcess([module, *args], status or 0, out.getvalue(),
+                                       err.getvalue())
 
 
 def metric_records(run_dir) -> list[dict]:

@@ -13,7 +13,7 @@ from jaxtron.config.loading import (
 from jaxtron.config.schema import Config
 from jaxtron.errors import ConfigError
 
-from conftest import make_config
+from conftest import make_config, run_in_process
 
 
 def test_yaml_and_dotted_overrides(tmp_path):
@@ -106,16 +106,14 @@ def test_cli_reports_errors_without_traceback():
 
 
 def test_cli_print_config():
-    result = subprocess.run([sys.executable, "-m", "jaxtron.train", "--config",
-                             "configs/tiny.yaml", "--print-config", "train.steps=3"],
-                            capture_output=True, text=True, timeout=120)
+    result = run_in_process("jaxtron.train", "--config", "configs/tiny.yaml", "--print-config",
+                            "train.steps=3")
     assert result.returncode == 0, result.stderr
     assert "steps: 3" in result.stdout
 
 
 def test_help_lists_every_config_field_with_type_default_and_meaning():
-    result = subprocess.run([sys.executable, "-m", "jaxtron.train", "--help"],
-                            capture_output=True, text=True, timeout=120)
+    result = run_in_process("jaxtron.train", "--help")
     assert result.returncode == 0
     rows = field_reference()
     keys = {key for key, *_ in rows}

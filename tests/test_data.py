@@ -1,7 +1,5 @@
 import json
 import struct
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -11,7 +9,7 @@ from jaxtron.data.pipeline import eval_batches, open_dataset, split_point, train
 from jaxtron.data.prepare import prepare
 from jaxtron.errors import DataError
 
-from conftest import make_config
+from conftest import make_config, run_in_process
 
 
 def write_corpus(folder, count=30):
@@ -44,10 +42,9 @@ def test_prepare_jsonl_with_a_hugging_face_tokenizer(tmp_path):
     tok.save(str(tmp_path / "tokenizer.json"))
     lines = [json.dumps({"text": "hello world"}), json.dumps({"text": "hello jax"})]
     (tmp_path / "docs.jsonl").write_text("\n".join(lines) + "\n")
-    result = subprocess.run([sys.executable, "-m", "jaxtron.data.prepare", "--input",
-                             str(tmp_path / "docs.jsonl"), "--out", str(tmp_path / "hf"),
-                             "--tokenizer", str(tmp_path / "tokenizer.json")],
-                            capture_output=True, text=True, timeout=120)
+    result = run_in_process("jaxtron.data.prepare", "--input", str(tmp_path / "docs.jsonl"),
+                            "--out", str(tmp_path / "hf"),
+                            "--tokenizer", str(tmp_path / "tokenizer.json"))
     assert result.returncode == 0, result.stderr
     ds = IndexedDataset(tmp_path / "hf")
     eos = tok.token_to_id("</s>")

@@ -1,8 +1,5 @@
 """Export to Hugging Face, import back, and generate from the command line."""
 
-import subprocess
-import sys
-
 import jax
 import numpy as np
 from flax import nnx
@@ -11,10 +8,11 @@ from test_checkpoint import train_cmd
 from jaxtron.checkpoint.params import exported_config, read_params
 from jaxtron.training.trainer import Trainer
 
+from conftest import run_in_process
 
-def cli(*args):
-    result = subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True,
-                            timeout=600)
+
+def cli(module, *args):
+    result = run_in_process(module, *args)
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout
 
@@ -25,9 +23,7 @@ def logits_of(config, params, tokens):
 
 
 def test_hf_export_then_import_gives_the_same_logits(tmp_path):
-    run = subprocess.run(train_cmd(tmp_path / "run", "train.steps=3", "checkpoint.every=3"),
-                         capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-2000:]
+    cli(*train_cmd(tmp_path / "run", "train.steps=3", "checkpoint.every=3")[3:])
     cli("jaxtron.export", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "hf"),
         "--format", "hf")
     assert (tmp_path / "hf" / "config.json").is_file()

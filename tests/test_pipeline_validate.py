@@ -2,8 +2,6 @@
 paper's bubble formula and 1F1B's memory (Qi et al., ICLR 2024). Plain numpy, no devices."""
 
 import dataclasses
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -12,6 +10,8 @@ from jaxtron.pipeline import zero_bubble as split_backward
 from jaxtron.pipeline.schedules import build_table, forward_table
 from jaxtron.pipeline.table_check import ScheduleError, check
 from jaxtron.pipeline.ticks import WEIGHT_GRAD, virtual_stage
+
+from conftest import run_in_process
 
 
 @pytest.mark.parametrize("schedule, p, v, m", [
@@ -72,10 +72,15 @@ def test_broken_tables_are_refused():
         check(dataclasses.replace(split, microbatch=twice))
 
 
+def shown(*args: str) -> str:
+    """What `python -m jaxtron.pipeline.show <args>` prints."""
+    result = run_in_process("jaxtron.pipeline.show", *args)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
 def test_show_draws_zb_h1_with_its_bubble():
-    out = subprocess.run([sys.executable, "-m", "jaxtron.pipeline.show", "--stages", "4",
-                          "--microbatches", "8", "--schedule", "zb-h1"],
-                         capture_output=True, text=True, check=True).stdout
+    out = shown("--stages", "4", "--microbatches", "8", "--schedule", "zb-h1")
     assert "W7" in out and "bubble 0.1111" in out and "1F1B in the same units" in out
 
 
@@ -101,9 +106,8 @@ def test_zbv_nearly_removes_the_bubble_at_1f1bs_memory(p, m, recompute):
 
 def test_show_draws_zbv():
     """The paper's table (stored residuals), and the recomputing one with its R's."""
-    show = [sys.executable, "-m", "jaxtron.pipeline.show", "--stages", "4", "--microbatches",
-            "8", "--schedule", "zbv"]
-    out = subprocess.run([*show, "--stored"], capture_output=True, text=True, check=True).stdout
+    show = ["--stages", "4", "--microbatches", "8", "--schedule", "zbv"]
+    out = shown(*show, "--stored")
     assert "W7.0" in out and "F0.1" in out and "bubble 0.0588" in out and "R0" not in out
-    out = subprocess.run(show, capture_output=True, text=True, check=True).stdout
+    out = shown(*show)
     assert "R7.0" in out and "F = R = B = W" in out and "bubble 0.0448" in out

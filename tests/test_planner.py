@@ -1,8 +1,6 @@
 """The layout planner: memory against XLA's compiled analysis, legal and fitting proposals,
 closed-form communication and bubble, and `--apply` writing a config the trainer accepts."""
 
-import subprocess
-import sys
 
 import pytest
 
@@ -19,7 +17,7 @@ from jaxtron.training.trainer import Trainer, check_layout
 
 MiB = 2**20
 
-from conftest import USERS_CODEGEN
+from conftest import USERS_CODEGEN, run_in_process
 
 
 def small_config():
@@ -181,11 +179,10 @@ def test_the_search_predicts_each_layout_as_predict_does_and_skips_only_what_can
 
 def test_plan_cli_ranks_and_applies_the_best_layout(tmp_path):
     out = tmp_path / "planned.yaml"
-    result = subprocess.run(
-        [sys.executable, "-m", "jaxtron.plan", "--config", "configs/tiny.yaml", *validate.BASE,
-         "--devices", "8", "--device-memory", "30MiB", "--hardware", "cpu", "--top", "3",
-         "--apply", str(out), "--compare", "mesh.tensor=2"],
-        capture_output=True, text=True, timeout=300)
+    result = run_in_process(
+        "jaxtron.plan", "--config", "configs/tiny.yaml", *validate.BASE, "--devices", "8",
+        "--device-memory", "30MiB", "--hardware", "cpu", "--top", "3", "--apply", str(out),
+        "--compare", "mesh.tensor=2")
     assert result.returncode == 0, result.stderr[-2000:]
     assert "layouts of 8 x cpu considered" in result.stdout
     assert "given layout (mesh.tensor=2), best variant ranks" in result.stdout
@@ -194,10 +191,9 @@ def test_plan_cli_ranks_and_applies_the_best_layout(tmp_path):
     # its own run folder, never the run it was planned from (which it would only resume)
     assert planned.train.run_dir == str(tmp_path / "planned")
     (tmp_path / "planned" / "checkpoints").mkdir(parents=True)
-    again = subprocess.run(
-        [sys.executable, "-m", "jaxtron.plan", "--config", "configs/tiny.yaml", *validate.BASE,
-         "--devices", "8", "--device-memory", "30MiB", "--hardware", "cpu", "--top", "1",
-         "--apply", str(out)], capture_output=True, text=True, timeout=300)
+    again = run_in_process(
+        "jaxtron.plan", "--config", "configs/tiny.yaml", *validate.BASE, "--devices", "8",
+        "--device-memory", "30MiB", "--hardware", "cpu", "--top", "1", "--apply", str(out))
     assert again.returncode == 2 and "holds a run; give --apply another file name" in again.stderr
     assert memory_budget_bytes("80GiB") == 80 * 2**30 and memory_budget_bytes("141GB") == 141e9
 

@@ -16,9 +16,6 @@ scratch folder, output captured); the rest, such as `--devices` checks that must
 afresh, run as their own processes.
 """
 
-import contextlib
-import importlib
-import io
 import os
 import re
 import shlex
@@ -31,7 +28,7 @@ import pytest
 
 from jaxtron.config.loading import load_config
 
-from conftest import FAST_COMPILE_FLAGS
+from conftest import FAST_COMPILE_FLAGS, run_in_process
 
 ROOT = Path(__file__).parent.parent
 # What a block's paragraph or section heading says it needs -> why it is not run here.
@@ -113,23 +110,6 @@ def devices_in(env: dict) -> int:
     return int(match.group(1)) if match else 1
 
 
-def run_in_process(argv: list[str], cwd: Path) -> tuple[int, str, str]:
-    """`python -m jaxtron.X args` as its `__main__` runs it: -> (status, stdout, stderr)."""
-    module = importlib.import_module(argv[2])
-    out, err = io.StringIO(), io.StringIO()
-    before = os.getcwd()
-    os.chdir(cwd)
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                status = module.main(argv[3:])
-            except SystemExit as exit_:  # argparse's --help
-                status = exit_.code or 0
-    finally:
-        os.chdir(before)
-    return status, out.getvalue(), err.getvalue()
-
-
 def run(line: str, env: dict, cwd: Path) -> tuple[int, str, str]:
     extra_env, argv = as_argv(line, cwd)
     env = {**env, **extra_env}
@@ -137,7 +117,8 @@ def run(line: str, env: dict, cwd: Path) -> tuple[int, str, str]:
     here = (argv[1:2] == ["-m"] and argv[2].startswith("jaxtron.") and not fresh_jax
             and (devices_in(env) == jax.device_count() or argv[2] in DEVICE_FREE))
     if here:
-        return run_in_process(argv, cwd)
+        result = run_in_process(argv[2], *argv[3:], cwd=cwd)
+        return result.returncode, result.stdout, result.stderr
     env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {FAST_COMPILE_FLAGS}".strip()
     result = subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=600, env=env)
     return result.returncode, result.stdout, result.stderr

@@ -14,7 +14,7 @@ from jaxtron.sharding.mesh import resolve_degrees
 from jaxtron.sharding.report import shard_bytes
 from jaxtron.training.trainer import Trainer
 
-from conftest import USERS_CODEGEN, make_config
+from conftest import USERS_CODEGEN, make_config, run_in_process
 
 # 8 query heads over 2 kv heads: tensor=8 splits queries and replicates the kv heads.
 MODEL = {"num_heads": 8, "num_kv_heads": 2, "d_model": 64, "mlp_dim": 128}
@@ -167,12 +167,8 @@ def test_minus_one_takes_the_rest():
 
 
 def test_dry_run_prints_mesh_shardings_memory_and_communication():
-    import subprocess
-    import sys
-    result = subprocess.run(
-        [sys.executable, "-m", "jaxtron.train", "--config", "configs/tiny.yaml", "--dry-run",
-         "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "optim.zero_stage=1"],
-        capture_output=True, text=True, timeout=600)
+    result = run_in_process("jaxtron.train", "--config", "configs/tiny.yaml", "--dry-run",
+                            "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "optim.zero_stage=1")
     assert result.returncode == 0, result.stderr[-2000:]
     out = result.stdout
     assert "mesh: 8 devices (data=2, fsdp=2, tensor=2)" in out
