@@ -1,13 +1,14 @@
 """Benchmarks: the attention kernels (`jaxtron.kernels.speed`) and the training step (`jaxtron.bench`)."""
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 
 from jaxtron.kernels.speed import MODES, attention_flops
+
+from conftest import run_in_process
 
 
 def test_flop_count_follows_the_flashattention_convention():
@@ -20,11 +21,10 @@ def test_flop_count_follows_the_flashattention_convention():
 def test_cpu_smoke_run_prints_a_table_and_a_json_line():
     # Tiny shapes: Pallas runs in interpret mode on CPU, one grid step at a time. The timeout
     # turns a hang into a failure rather than a stuck suite.
-    command = [sys.executable, "-m", "jaxtron.kernels.speed", "--seq-lens", "128,256",
-               "--impls", "xla,cudnn,pallas", "--heads", "2", "--kv-heads", "1",
-               "--head-dim", "32", "--warmup", "1", "--iters", "1", "--repeats", "1", "--json"]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    result = run_in_process("jaxtron.kernels.speed", "--seq-lens", "128,256",
+                            "--impls", "xla,cudnn,pallas", "--heads", "2", "--kv-heads", "1",
+                            "--head-dim", "32", "--warmup", "1", "--iters", "1", "--repeats",
+                            "1", "--json")
     assert result.returncode == 0, result.stderr[-2000:]
     lines = result.stdout.strip().splitlines()
     report = json.loads(lines[-1])
@@ -48,10 +48,8 @@ def test_training_benchmark_reports_every_field_from_the_shared_flops_formula():
 
     overrides = ["model.num_layers=2", "model.d_model=64", "model.mlp_dim=128",
                  "data.seq_len=32", "train.batch_size=8", "model.remat=full"]
-    command = [sys.executable, "-m", "jaxtron.bench", "--config", "configs/tiny.yaml",
-               *overrides, "--warmup", "1", "--steps", "2", "--repeats", "1", "--json"]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    result = run_in_process("jaxtron.bench", "--config", "configs/tiny.yaml", *overrides,
+                            "--warmup", "1", "--steps", "2", "--repeats", "1", "--json")
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert set(bench.FIELDS) <= report.keys()
