@@ -1,10 +1,7 @@
 """`checkpoint.every: auto`: Young's interval from measured save and step times, and a run that
 measures, decides and saves at that interval."""
 
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 
@@ -12,7 +9,7 @@ from jaxtron.checkpoint.cadence import MEASURE_AT, young_interval_steps
 from jaxtron.checkpoint.manager import saved_steps
 from jaxtron.errors import ConfigError
 
-from conftest import make_config
+from conftest import make_config, run_in_process
 
 
 def test_the_interval_minimises_save_cost_plus_expected_lost_work():
@@ -28,12 +25,10 @@ def test_the_interval_minimises_save_cost_plus_expected_lost_work():
 
 
 def test_a_run_measures_decides_and_saves_at_that_interval(tmp_path):
-    env = dict(os.environ, XLA_FLAGS=os.environ["XLA_FLAGS"])
-    out = subprocess.run(
-        [sys.executable, "-m", "jaxtron.train", "--config", "configs/tiny.yaml",
-         "train.steps=14", "checkpoint.every=auto", "checkpoint.mtbf_hours=0.0005",
-         "checkpoint.keep=20", "model.num_layers=2", "data.seq_len=64", "train.log_every=7",
-         f"train.run_dir={tmp_path}"], capture_output=True, text=True, env=env, timeout=300)
+    out = run_in_process(
+        "jaxtron.train", "--config", "configs/tiny.yaml", "train.steps=14",
+        "checkpoint.every=auto", "checkpoint.mtbf_hours=0.0005", "checkpoint.keep=20",
+        "model.num_layers=2", "data.seq_len=64", "train.log_every=7", f"train.run_dir={tmp_path}")
     assert out.returncode == 0, out.stderr[-2000:]
     every = int(re.search(r"a checkpoint every (\d+) steps", out.stdout).group(1))
     want = {MEASURE_AT, 14} | {s for s in range(1, 15) if s % every == 0}
