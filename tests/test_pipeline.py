@@ -133,12 +133,13 @@ def run(layout, model=None, steps=1):
     batches = train_batches(config, open_dataset(config))
     state = trainer.init_state()
     batch = trainer.put_batch(next(batches))
-    loss, grads = trainer.loss_and_grads(state.params, batch)
     eval_loss = float(trainer.eval_loss(state, batch))
     as_model = trainer.to_model_params
     losses, params_after = [], []  # params_after[k]: the parameters after k + 1 updates
-    for _ in range(steps):
-        state, metrics = trainer.step(state, batch)
+    for step in range(steps):  # the first step's objective and gradients are compared too
+        state, metrics, objective, applied = trainer.step_and_grads(state, batch)
+        if step == 0:
+            loss, grads = objective, applied
         losses.append(float(metrics["loss"]))
         params_after.append(jax.device_get(nnx.to_pure_dict(as_model(state.params))))
         batch = trainer.put_batch(next(batches))

@@ -43,6 +43,31 @@ def test_gradient_accumulation_equals_one_big_batch():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("layout", [
+    {"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2, "optim.zero_stage": 2,
+     "optim.grad_accum": 2},
+    {"mesh.stage": 2, "mesh.data": 2, "mesh.tensor": 2, "pipeline.microbatches": 2}],
+    ids=["zero2", "pipeline"])
+def test_the_step_returns_the_gradients_of_the_separate_pass_and_updates_as_the_step(layout):
+    """What the layout-equivalence tests read from `step_and_grads`: its objective and
+    gradients are the gradient pass's (`loss_and_grads`), and its update and metrics are the
+    plain step's."""
+    config = make_config(layout, optim={"warmup_steps": 1, "lr": 1e-2})
+    trainer = Trainer(config, devices=jax.devices())
+    batch = trainer.put_batch(next(train_batches(config, open_dataset(config))))
+    objective, grads = trainer.loss_and_grads(trainer.init_state().params, batch)
+    stepped, metrics = trainer.step(trainer.init_state(), batch)
+    got_state, got_metrics, got_objective, got_grads = trainer.step_and_grads(
+        trainer.init_state(), batch)
+    np.testing.assert_allclose(got_objective, objective, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(got_grads), jax.tree.leaves(grads), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-8)
+    for key in metrics:
+        np.testing.assert_allclose(got_metrics[key], metrics[key], rtol=1e-6, err_msg=key)
+    for a, b in zip(jax.tree.leaves(got_state), jax.tree.leaves(stepped), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-8)
+
+
 def run_steps(config, devices, steps=3):
     trainer = Trainer(config, devices=devices)
     batches = train_batches(config, open_dataset(config))

@@ -110,6 +110,24 @@ def make_train_step(tx: optax.GradientTransformation, schedule: optax.Schedule,
     return train_step
 
 
+def returning_grads(make_step: Callable[[GradFn], Callable], grad_fn: GradFn):
+    """`make_step(grad_fn)`'s step that also returns the objective and gradients it applied:
+    (state, batch) -> (state, metrics, objective, grads). They are the step's own values, taken
+    inside its trace, not a second gradient pass."""
+    def step(state: TrainState, batch: dict):
+        applied = []
+
+        def recording(params, batch):
+            applied.append(grad_fn(params, batch))
+            return applied[-1]
+
+        state, metrics = make_step(recording)(state, batch)
+        (objective, _), grads = applied[0]
+        return state, metrics, objective, grads
+
+    return step
+
+
 def make_eval_step(loss_fn, to_model_params=lambda params: params):
     def eval_step(params, batch: dict) -> jax.Array:
         return loss_fn(to_model_params(params), counted_tokens_mean(batch))[1]["loss"]

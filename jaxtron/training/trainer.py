@@ -51,6 +51,7 @@ from jaxtron.training.step import (
     make_loss_fn,
     make_train_step,
     plain_grads,
+    returning_grads,
 )
 
 
@@ -83,12 +84,22 @@ class Trainer:
                                                                 self.activation_rules, self.mesh))
         grad_fn = self._grad_fn(abstract)
         self.compiler_options = options = compiler_options(self.mesh.devices)
-        self._step = jax.jit(make_train_step(self.tx, self.schedule, grad_fn,
-                                             config.moe.bias_update_rate if config.moe.enabled
-                                             else 0.0, config.optim.host_moments),
+        bias_rate = config.moe.bias_update_rate if config.moe.enabled else 0.0
+
+        def make_step(grad_fn):
+            return make_train_step(self.tx, self.schedule, grad_fn, bias_rate,
+                                   config.optim.host_moments)
+
+        self._step = jax.jit(make_step(grad_fn),
                              in_shardings=(self.state_shardings, self.batch_sharding),
                              out_shardings=(self.state_shardings, replicated),
                              donate_argnums=0, compiler_options=options)
+        self._step_and_grads = jax.jit(
+            returning_grads(make_step, grad_fn),
+            in_shardings=(self.state_shardings, self.batch_sharding),
+            out_shardings=(self.state_shardings, replicated, replicated,
+                           self.state_shardings.params),
+            donate_argnums=0, compiler_options=options)
         self._grads = jax.jit(grad_fn, in_shardings=(self.state_shardings.params,
                                                      self.batch_sharding),
                               compiler_options=options)
@@ -98,7 +109,7 @@ class Trainer:
                                                     self.batch_sharding),
                              out_shardings=replicated, compiler_options=options)
         if options:
-            keep_until_exit(self._step, self._grads, self._eval)
+            keep_until_exit(self._step, self._step_and_grads, self._grads, self._eval)
 
     def _grad_fn(self, abstract: TrainState):
         """Gradients of one step: accumulated over `optim.grad_accum` microbatches, and with
@@ -180,6 +191,13 @@ class Trainer:
     def step(self, state: TrainState, batch: dict) -> tuple[TrainState, dict]:
         with self._tracing():
             return self._step(state, batch)
+
+    def step_and_grads(self, state: TrainState, batch: dict):
+        """The step, returning as well the objective and gradients it applied (of `state`'s
+        parameters): one program where a check that compares both would otherwise compile a
+        gradient pass of its own. -> (state, metrics, objective, grads)"""
+        with self._tracing():
+            return self._step_and_grads(state, batch)
 
     def loss_and_grads(self, params, batch: dict):
         """The step's objective and gradients, without updating anything (for checks)."""
