@@ -231,7 +231,7 @@ def run_in_process(module: str, *args: str, cwd=None) -> subprocess.CompletedPro
     """`python -m <module> <args>` as its `__main__` runs it, but in this process with its
     output captured: for a command test that checks what the command prints or writes, not
     what a process of its own does (starting Python and importing JAX and jaxtron take about
-    2.5 s). Returns what `subprocess.run` would: exit status, stdout and stderr."""
+    2 s). Returns what `subprocess.run` would: exit status, stdout and stderr."""
     main = importlib.import_module(module).main
     out, err = io.StringIO(), io.StringIO()
     before = os.getcwd()
