@@ -3,7 +3,7 @@
 import jax
 import numpy as np
 from flax import nnx
-from test_checkpoint import train_cmd
+from test_checkpoint import BASE
 
 from jaxtron.checkpoint.params import exported_config, read_params
 from jaxtron.training.trainer import Trainer
@@ -23,7 +23,8 @@ def logits_of(config, params, tokens):
 
 
 def test_hf_export_then_import_gives_the_same_logits(tmp_path):
-    cli(*train_cmd(tmp_path / "run", "train.steps=3", "checkpoint.every=3")[3:])
+    cli("jaxtron.train", *BASE, f"train.run_dir={tmp_path / 'run'}", "train.steps=3",
+        "checkpoint.every=3")
     cli("jaxtron.export", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "hf"),
         "--format", "hf")
     assert (tmp_path / "hf" / "config.json").is_file()
