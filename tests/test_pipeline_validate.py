@@ -7,9 +7,18 @@ import numpy as np
 import pytest
 
 from jaxtron.pipeline import zero_bubble as split_backward
-from jaxtron.pipeline.schedules import build_table, forward_table
+from jaxtron.pipeline.schedules import build_table, device_orders, forward_table
 from jaxtron.pipeline.table_check import ScheduleError, check
-from jaxtron.pipeline.ticks import WEIGHT_GRAD, virtual_stage
+from jaxtron.pipeline.ticks import (
+    BACKWARD,
+    FORWARD,
+    INPUT_GRAD,
+    RECOMPUTE,
+    WEIGHT_GRAD,
+    Action,
+    place,
+    virtual_stage,
+)
 
 from conftest import run_in_process
 
@@ -30,6 +39,57 @@ def test_every_engine_schedule_passes_and_holds_what_its_formula_says(schedule, 
         assert result.peak_in_flight == tuple(min((p - d - 1) + (v - 1) * p + (p - 2) + 1, v * m)
                                               for d in range(p))
     check(forward_table(p, m, v), training=False)
+
+
+def ticked(orders, p: int, v: int, v_shape: bool = False) -> dict:
+    """The placement simulated tick by tick: at each tick every rank runs its next job if
+    the jobs it reads ran at earlier ticks. -> {(rank, tick): (kind, microbatch, chunk)}"""
+    last, done, cells, cursor, tick = p * v - 1, {}, {}, [0] * p, 0
+    while any(cursor[d] < len(orders[d]) for d in range(p)):
+        ready = []
+        for d in range(p):
+            if cursor[d] == len(orders[d]):
+                continue
+            a = orders[d][cursor[d]]
+            vs = virtual_stage(d, a.chunk, p, v_shape)
+            reads = {FORWARD: [(FORWARD, a.microbatch, vs - 1)] if vs else [],
+                     WEIGHT_GRAD: [(INPUT_GRAD, a.microbatch, vs)],
+                     RECOMPUTE: [(FORWARD, a.microbatch, vs)]}.get(
+                a.kind, [(FORWARD, a.microbatch, vs)]
+                + ([(a.kind, a.microbatch, vs + 1)] if vs < last else []))
+            if all(done.get(job, tick) < tick for job in reads):
+                ready.append((d, a, vs))
+        assert ready, "deadlock"
+        for d, a, vs in ready:
+            done[(a.kind, a.microbatch, vs)] = tick
+            cells[(d, tick)] = (a.kind, a.microbatch, a.chunk)
+            cursor[d] += 1
+        tick += 1
+    return cells
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1", "interleaved", "forward"])
+def test_each_job_is_placed_where_a_tick_by_tick_simulation_runs_it(schedule):
+    """`place` computes each job's tick from its inputs' and its rank's previous job's; a
+    simulation of the ticks one by one must agree on every cell."""
+    for p, m, v, recompute in [(1, 3, 1, True), (2, 4, 1, True), (4, 8, 1, False),
+                               (4, 3, 1, True), (3, 6, 2, True), (4, 8, 2, False),
+                               (4, 4, 3, True)]:
+        if v > 1 and (schedule not in ("interleaved", "forward") or m % p):
+            continue
+        if schedule == "forward":
+            orders = [[Action(FORWARD, mb, c) for g in range(0, m, p) for c in range(v)
+                       for mb in range(g, min(g + p, m))]] * p
+        else:
+            orders = device_orders(schedule, p, m, v, recompute)
+        table = place(schedule, orders, p, m, v)
+        busy = {(int(d), int(t)): (int(table.kind[t, d]), int(table.microbatch[t, d]),
+                                   int(table.chunk[t, d]))
+                for t, d in np.argwhere(table.kind != 0)}
+        want = ticked(orders, p, v)
+        assert busy == want and table.ticks == 1 + max(t for _, t in want), (p, m, v)
+        assert {k for k, _, _ in busy.values()} <= {FORWARD, BACKWARD, INPUT_GRAD,
+                                                    WEIGHT_GRAD, RECOMPUTE}
 
 
 @pytest.mark.parametrize("p", [2, 4, 8])

@@ -118,116 +118,142 @@ class Table(TickTable):
 
 def place(schedule: str, orders: list[list[Action]], p: int, m: int, v: int,
           v_shape: bool = False) -> Table:
-    """Each device's next action at the earliest tick its inputs exist."""
+    """Each device's actions in its order, each at the earliest tick after both its device's
+    previous action and its inputs. A device is placed on until an input is not placed yet,
+    then waits for that job: placing it wakes the device again. Devices left waiting at the
+    end are a deadlock."""
     last = p * v - 1
     done: dict[tuple[int, int, int], int] = {}  # (kind, microbatch, virtual stage) -> tick
     placed: list[list[tuple[int, Action]]] = [[] for _ in range(p)]
+    stage_of = [[virtual_stage(d, c, p, v_shape) for c in range(v)] for d in range(p)]
     cursor = [0] * p
-    tick = 0
-    while any(cursor[d] < len(orders[d]) for d in range(p)):
-        ready = []
-        for d in range(p):
-            if cursor[d] == len(orders[d]):
+    waiting: dict[tuple[int, int, int], list[int]] = {}  # job -> devices waiting for it
+    awake = list(range(p))
+    while awake:
+        d = awake.pop()
+        order, i = orders[d], cursor[d]
+        tick = placed[d][-1][0] + 1 if placed[d] else 0
+        while i < len(order):
+            a = order[i]
+            vs = stage_of[d][a.chunk]
+            for job in _inputs(a, vs, last):
+                at = done.get(job)
+                if at is None:
+                    waiting.setdefault(job, []).append(d)
+                    break
+                tick = max(tick, at + 1)
+            else:
+                job = (a.kind, a.microbatch, vs)
+                done[job] = tick
+                placed[d].append((tick, a))
+                awake += waiting.pop(job, [])
+                i, tick = i + 1, tick + 1
                 continue
-            a = orders[d][cursor[d]]
-            vs = virtual_stage(d, a.chunk, p, v_shape)
-            if a.kind == FORWARD:
-                deps = [] if vs == 0 else [(FORWARD, a.microbatch, vs - 1)]
-            elif a.kind == WEIGHT_GRAD:
-                deps = [(INPUT_GRAD, a.microbatch, vs)]
-            elif a.kind == RECOMPUTE:
-                deps = [(FORWARD, a.microbatch, vs)]
-            else:  # a whole backward or a B: its forward and the next stage's same job
-                deps = [(FORWARD, a.microbatch, vs)] + (
-                    [] if vs == last else [(a.kind, a.microbatch, vs + 1)])
-            if all(done.get(dep, tick) < tick for dep in deps):
-                ready.append((d, a, vs))
-        if not ready and tick > 4 * (m * v + p) * 2:
-            raise RuntimeError(f"schedule {schedule} deadlocked at tick {tick}")
-        for d, a, vs in ready:
-            done[(a.kind, a.microbatch, vs)] = tick
-            placed[d].append((tick, a))
-            cursor[d] += 1
-        tick += 1
-    return assign_slots(placed, tick, p, v, m, done, v_shape)
+            break
+        cursor[d] = i
+    if any(cursor[d] < len(orders[d]) for d in range(p)):
+        raise RuntimeError(f"schedule {schedule} deadlocked")
+    return assign_slots(placed, 1 + max((jobs[-1][0] for jobs in placed if jobs), default=-1),
+                        p, v, m, v_shape)
 
 
-def assign_slots(placed, ticks: int, p: int, v: int, m: int, done,
-                 v_shape: bool = False) -> Table:
-    """The table of jobs `placed` per device as (tick, Action), with `done` the tick of every
-    (kind, microbatch, virtual stage): buffer slots for what arrives and what a B stashes."""
-    last = p * v - 1
-    shape = (ticks, p)
+def _inputs(a: Action, vs: int, last: int) -> tuple[tuple[int, int, int], ...]:
+    """The jobs whose outputs `a` (on virtual stage `vs`) reads, as `done`'s keys."""
+    if a.kind == FORWARD:
+        return () if vs == 0 else ((FORWARD, a.microbatch, vs - 1),)
+    if a.kind == WEIGHT_GRAD:
+        return ((INPUT_GRAD, a.microbatch, vs),)
+    if a.kind == RECOMPUTE:
+        return ((FORWARD, a.microbatch, vs),)
+    # a whole backward or a B: its forward and the next stage's same job
+    return ((FORWARD, a.microbatch, vs),) + (() if vs == last else
+                                             ((a.kind, a.microbatch, vs + 1),))
+
+
+def assign_slots(placed, ticks: int, p: int, v: int, m: int, v_shape: bool = False) -> Table:
+    """The table of jobs `placed` per device as (tick, Action): buffer slots for what arrives
+    and what a B stashes. Computed over arrays of every job at once (the planner builds
+    tables of tens of thousands of jobs)."""
+    shape, stages = (ticks, p), p * v
+    rank_of = np.array([owner(vs, p, v_shape)[0] for vs in range(stages)])
+    jobs = np.array([(t, d, a.kind, a.microbatch, a.chunk)
+                     for d in range(p) for t, a in placed[d]], np.int64).reshape(-1, 5)
+    tick, device, kinds, micro, chunks = jobs.T
+    vs = (np.where(chunks == 0, device, 2 * p - 1 - device) if v_shape
+          else chunks * p + device)
     kind, mb, chunk = (np.zeros(shape, np.int32) for _ in range(3))
-    act_slot, grad_slot = np.zeros(shape, np.int32), np.zeros(shape, np.int32)
-    for d in range(p):
-        for t, a in placed[d]:
-            kind[t, d], mb[t, d], chunk[t, d] = a.kind, a.microbatch, a.chunk
+    kind[tick, device], mb[tick, device], chunk[tick, device] = kinds, micro, chunks
+    at = np.full((RECOMPUTE + 1, m, stages), -1, np.int64)  # each job's tick; -1: none
+    at[kinds, micro, vs] = tick
     # Arrivals: the forward output of (mb, vs - 1) reaches the device of vs at the end of the
     # tick it was computed; the backward (or B) output of (mb, vs + 1) likewise. Each is held
     # until the backward (or B) of (mb, vs) has run; a B's stash until its W.
-    backward = INPUT_GRAD if any(k == INPUT_GRAD for k, _, _ in done) else BACKWARD
-    residuals_from = RECOMPUTE if any(k == RECOMPUTE for k, _, _ in done) else FORWARD
-    act_events, grad_events, w_events = [], [], []  # (arrival, release, device, (mb, vs))
-    res_events = []
-    for (k, micro, vs), t in done.items():
-        if k == residuals_from and (backward, micro, vs) in done:
-            res_events.append((t, done[(backward, micro, vs)], owner(vs, p, v_shape)[0],
-                               (micro, vs)))
-        if k == FORWARD and vs < last:
-            dest = vs + 1  # held until its backward; without backwards, until its forward
-            release = done.get((backward, micro, dest), done[(FORWARD, micro, dest)])
-            act_events.append((t, release, owner(dest, p, v_shape)[0], (micro, dest)))
-        if k == backward and vs > 0:
-            dest = vs - 1
-            grad_events.append((t, done[(backward, micro, dest)], owner(dest, p, v_shape)[0],
-                                (micro, dest)))
-        if k == INPUT_GRAD:
-            w_events.append((t, done[(WEIGHT_GRAD, micro, vs)], owner(vs, p, v_shape)[0],
-                             (micro, vs)))
-    act_of, act_slots = _allocate(act_events, p)
-    grad_of, grad_slots = _allocate(grad_events, p)
-    w_of, w_slots = _allocate(w_events, p) if w_events else ({}, 0)
-    res_of, res_slots = _allocate(res_events, p) if res_events else ({}, 0)
-    w_slot, res_slot = np.zeros(shape, np.int32), np.zeros(shape, np.int32)
+    backward = INPUT_GRAD if (kinds == INPUT_GRAD).any() else BACKWARD
+    residuals_from = RECOMPUTE if (kinds == RECOMPUTE).any() else FORWARD
 
-    def channel(sender: int, receiver: int, ring: int) -> int:
+    def events(mask, dest, release):
+        """(arrival, release, device, microbatch, virtual stage) of the jobs in `mask`."""
+        return np.stack([tick[mask], release, rank_of[dest], micro[mask], dest], axis=1)
+
+    sent = (kinds == FORWARD) & (vs < stages - 1)  # held until its backward; without
+    dest = vs[sent] + 1                            # backwards, until its forward
+    held_until = at[backward, micro[sent], dest]
+    act = events(sent, dest, np.where(held_until >= 0, held_until,
+                                      at[FORWARD, micro[sent], dest]))
+    sent = (kinds == backward) & (vs > 0)
+    grad = events(sent, vs[sent] - 1, at[backward, micro[sent], vs[sent] - 1])
+    stashed = kinds == INPUT_GRAD
+    w = events(stashed, vs[stashed], at[WEIGHT_GRAD, micro[stashed], vs[stashed]])
+    kept = (kinds == residuals_from) & (at[backward, micro, vs] >= 0)
+    res = events(kept, vs[kept], at[backward, micro[kept], vs[kept]])
+    act_at, act_slots = _allocate(act, p, m, stages)
+    grad_at, grad_slots = _allocate(grad, p, m, stages)
+    w_at, w_slots = _allocate(w, p, m, stages) if len(w) else (act_at * 0, 0)
+    res_at, res_slots = _allocate(res, p, m, stages) if len(res) else (act_at * 0, 0)
+
+    def channels(sender, receiver, ring: int):
         if not v_shape:
-            return ring
-        return SELF if sender == receiver else DOWN if receiver == sender + 1 else UP
+            return np.full(len(sender), ring)
+        return np.where(sender == receiver, SELF, np.where(receiver == sender + 1, DOWN, UP))
 
     # [channel] -> [ticks, ranks] slot arrays, scratch where nothing arrives that way
     recv_acts = [np.full(shape, act_slots, np.int32) for _ in (DOWN, UP, SELF)]
     recv_grads = [np.full(shape, grad_slots, np.int32) for _ in (DOWN, UP, SELF)]
     send_dir = np.full(shape, NOWHERE, np.int32)
-    for t, _, d, (micro, dest) in act_events:
-        sender = owner(dest - 1, p, v_shape)[0]
-        recv_acts[channel(sender, d, DOWN)][t, d] = act_of[(micro, dest)]
-        send_dir[t, sender] = channel(sender, d, DOWN)
-    for t, _, d, (micro, dest) in grad_events:
-        sender = owner(dest + 1, p, v_shape)[0]
-        recv_grads[channel(sender, d, UP)][t, d] = grad_of[(micro, dest)]
-        send_dir[t, sender] = channel(sender, d, UP)
-    recv_act, recv_grad = recv_acts[DOWN], recv_grads[UP]
-    for d in range(p):
-        for t, a in placed[d]:
-            key = (a.microbatch, virtual_stage(d, a.chunk, p, v_shape))
-            act_slot[t, d] = act_of.get(key, act_slots)
-            if a.kind in (BACKWARD, INPUT_GRAD):
-                grad_slot[t, d] = grad_of.get(key, grad_slots)
-            if a.kind in (INPUT_GRAD, WEIGHT_GRAD):
-                w_slot[t, d] = w_of[key]
-            if a.kind in (FORWARD, BACKWARD, INPUT_GRAD, RECOMPUTE):
-                res_slot[t, d] = res_of.get(key, res_slots)
-    return Table(kind, mb, chunk, act_slot, grad_slot, recv_act, recv_grad, act_slots,
-                 grad_slots, p, v, m, w_slot, w_slots, recv_acts[UP], recv_acts[SELF],
-                 recv_grads[DOWN], recv_grads[SELF], send_dir, v_shape, res_slot, res_slots)
+    for arrivals, recv, slot_at, step, ring in ((act, recv_acts, act_at, -1, DOWN),
+                                                (grad, recv_grads, grad_at, 1, UP)):
+        t, d, micro_of, stage_of = arrivals[:, 0], arrivals[:, 2], arrivals[:, 3], arrivals[:, 4]
+        sender = rank_of[stage_of + step]
+        way = channels(sender, d, ring)
+        for c in (DOWN, UP, SELF):
+            here = way == c
+            recv[c][t[here], d[here]] = slot_at[micro_of[here], stage_of[here]]
+        send_dir[t, sender] = way
+    act_slot = np.zeros(shape, np.int32)
+    grad_slot, w_slot, res_slot = act_slot.copy(), act_slot.copy(), act_slot.copy()
+    act_slot[tick, device] = np.where(act_at[micro, vs] >= 0, act_at[micro, vs], act_slots)
+    backwards = (kinds == BACKWARD) | (kinds == INPUT_GRAD)
+    got = grad_at[micro[backwards], vs[backwards]]
+    grad_slot[tick[backwards], device[backwards]] = np.where(got >= 0, got, grad_slots)
+    split = (kinds == INPUT_GRAD) | (kinds == WEIGHT_GRAD)
+    w_slot[tick[split], device[split]] = w_at[micro[split], vs[split]]
+    reads = kinds != WEIGHT_GRAD
+    got = res_at[micro[reads], vs[reads]]
+    res_slot[tick[reads], device[reads]] = np.where(got >= 0, got, res_slots)
+    return Table(kind, mb, chunk, act_slot, grad_slot, recv_acts[DOWN], recv_grads[UP],
+                 act_slots, grad_slots, p, v, m, w_slot, w_slots, recv_acts[UP],
+                 recv_acts[SELF], recv_grads[DOWN], recv_grads[SELF], send_dir, v_shape,
+                 res_slot, res_slots)
 
 
-def _allocate(events, p: int):
-    """Smallest free slot per device, held from arrival (end of tick) to release (end of tick)."""
-    slot_of, busy, free, count = {}, [[] for _ in range(p)], [[] for _ in range(p)], [0] * p
-    for arrive, release, d, key in sorted(events):
+def _allocate(events: np.ndarray, p: int, m: int, stages: int) -> tuple[np.ndarray, int]:
+    """Smallest free slot per device, held from arrival (end of tick) to release (end of
+    tick), for events (arrival, release, device, microbatch, virtual stage) -> ([m, stages]
+    slot of each held value, -1 elsewhere; slots per device)."""
+    slot_at = np.full((m, stages), -1, np.int64)
+    busy, free, count = [[] for _ in range(p)], [[] for _ in range(p)], [0] * p
+    order = np.lexsort(events.T[::-1]) if len(events) else []
+    for arrive, release, d, micro, stage in events[order].tolist():
         while busy[d] and busy[d][0][0] <= arrive:  # released by now: free again
             heapq.heappush(free[d], heapq.heappop(busy[d])[1])
         if free[d]:
@@ -235,8 +261,8 @@ def _allocate(events, p: int):
         else:
             slot, count[d] = count[d], count[d] + 1
         heapq.heappush(busy[d], (release, slot))
-        slot_of[key] = slot
-    return slot_of, max(count + [1])
+        slot_at[micro, stage] = slot
+    return slot_at, max(count + [1])
 
 
 def receivers(table: Table) -> np.ndarray:

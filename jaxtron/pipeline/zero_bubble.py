@@ -154,5 +154,5 @@ def zbv_table(stages: int, microbatches: int, recompute: bool = False) -> Table:
                 waiting_w[d].pop(0)
                 held[d] -= 1
         tick += 1
-    return assign_slots(placed, tick, p, 2, m, done, v_shape=True)
+    return assign_slots(placed, tick, p, 2, m, v_shape=True)
 
