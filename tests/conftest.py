@@ -3,6 +3,7 @@ cache for every worker of a session, and the longest tests first."""
 
 import contextlib
 import dataclasses
+import functools
 import gc
 import importlib
 import io
@@ -219,7 +220,7 @@ def first_batch_objective_metrics_grads(config, devices: int):
     from jaxtron.training.trainer import Trainer
 
     trainer = Trainer(config, devices=jax.devices()[:devices])
-    state = trainer.init_state()
+    state = initial_state(trainer)
     batch = trainer.put_batch(next(train_batches(config, open_dataset(config))))
     with trainer._tracing():
         (objective, metrics), grads = trainer._grads(state.params, batch)
@@ -257,3 +258,32 @@ def metric_records(run_dir) -> list[dict]:
 def losses_by_step(run_dir) -> dict:
     """Per-step losses; a step logged again after a resume overwrites the earlier record."""
     return {r["step"]: r["loss"] for r in metric_records(run_dir)}
+
+
+@functools.cache
+def _one_device_params(model, moe, seed: int):
+    """A model's initial parameters, on the host: `Trainer._new_model` on one device."""
+    from flax import nnx
+
+    from jaxtron.models.transformer import Transformer
+
+    init = jax.jit(lambda: nnx.state(Transformer(model, rngs=nnx.Rngs(seed), moe=moe),
+                                     nnx.Param),
+                   out_shardings=jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+    return jax.device_get(init())
+
+
+def initial_state(trainer):
+    """The values of `trainer.init_state()` without compiling its initialisation for each
+    layout: each model is initialised once on one device and placed onto the trainer's
+    shardings (as pipeline stages where it has them). Tests of a layout's step start here;
+    `tests/test_train.py` checks that `init_state` itself gives these values on every layout."""
+    from jaxtron.training.step import TrainState
+
+    c = trainer.config
+    params = _one_device_params(c.model, c.moe, c.train.seed)
+    if trainer.stages:
+        params = trainer.stages.to_pipeline_params(params)
+    state = TrainState(step=jax.numpy.zeros((), jax.numpy.int32), params=params,
+                       opt_state=trainer.tx.init(params))
+    return jax.device_put(state, trainer.state_shardings)

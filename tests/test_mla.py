@@ -21,7 +21,7 @@ from jaxtron.models.transformer import Transformer
 from jaxtron.training.flops import matmul_params, training_flops_per_token
 from jaxtron.training.trainer import Trainer
 
-from conftest import make_config
+from conftest import initial_state, make_config
 
 # Kn = 16, P = 8 (q/k head dim 24), V = 12: values narrower than keys, as in DeepSeek-V3.
 MLA = {"attention": "mla", "num_kv_heads": None, "num_heads": 4, "d_model": 64,
@@ -133,7 +133,7 @@ def loss_and_grads(layout: dict, devices, model=MLA):
     config = make_config(layout, model=model, train={"batch_size": 4})
     trainer = Trainer(config, devices=devices)
     batch = trainer.put_batch(next(train_batches(config, open_dataset(config))))
-    loss, grads = trainer.loss_and_grads(trainer.init_state().params, batch)
+    loss, grads = trainer.loss_and_grads(initial_state(trainer).params, batch)
     return trainer, float(loss), jax.device_get(nnx.to_pure_dict(grads))
 
 

@@ -18,7 +18,7 @@ from jaxtron.models.moe import MoE, capacity, capacity_slots, load_balancing_los
 from jaxtron.training.flops import matmul_params
 from jaxtron.training.trainer import Trainer
 
-from conftest import long_run_env, make_config, metric_records
+from conftest import initial_state, long_run_env, make_config, metric_records
 
 
 def moe_layer(**moe):
@@ -232,7 +232,7 @@ def test_load_balancing_loss_matches_the_switch_formula_by_hand():
 def grads_of(layout, moe, devices):
     config = make_config(layout, moe=moe, train={"batch_size": 8})
     trainer = Trainer(config, devices=devices)
-    state = trainer.init_state()
+    state = initial_state(trainer)
     batch = trainer.put_batch(next(train_batches(config, open_dataset(config))))
     objective, grads = trainer.loss_and_grads(state.params, batch)
     return float(objective), jax.device_get(nnx.to_pure_dict(grads)), trainer, state, batch

@@ -26,7 +26,7 @@ from jaxtron.models.transformer import Transformer
 from jaxtron.training.trainer import Trainer
 
 from attention_oracle import attention
-from conftest import first_batch_objective_metrics_grads, make_config
+from conftest import first_batch_objective_metrics_grads, initial_state, make_config
 
 # --- a numpy Llama trunk, MTP modules and head, from the parameter arrays ---------------------
 
@@ -129,7 +129,7 @@ def test_sharded_mtp_equals_one_device():
     def run(mesh, devices):
         config = make_config(model={"mtp_depth": 1}, mesh=mesh)
         trainer = Trainer(config, devices=jax.devices()[:devices])
-        state = trainer.init_state()
+        state = initial_state(trainer)
         tokens = np.random.default_rng(1).integers(0, 256, (8, 33)).astype(np.int32)
         objective, grads = trainer.loss_and_grads(state.params, trainer.put_batch(
             {"tokens": tokens}))

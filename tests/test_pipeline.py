@@ -28,6 +28,7 @@ from jaxtron.training.trainer import Trainer
 
 from conftest import (
     USERS_CODEGEN,
+    initial_state,
     long_run_env,
     make_config,
     metric_records,
@@ -131,7 +132,7 @@ def run(layout, model=None, steps=1):
         mesh_size *= layout.get(key, 1)
     trainer = Trainer(config, devices=jax.devices()[:mesh_size])
     batches = train_batches(config, open_dataset(config))
-    state = trainer.init_state()
+    state = initial_state(trainer)
     batch = trainer.put_batch(next(batches))
     eval_loss = float(trainer.eval_loss(state, batch))
     as_model = trainer.to_model_params

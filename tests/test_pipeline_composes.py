@@ -12,7 +12,7 @@ import pytest
 from jaxtron.data.pipeline import open_dataset, train_batches
 from jaxtron.training.trainer import Trainer
 
-from conftest import first_batch_objective_metrics_grads, make_config
+from conftest import first_batch_objective_metrics_grads, initial_state, make_config
 
 MOE = {"num_experts": 4, "top_k": 2}
 
@@ -75,7 +75,7 @@ def test_context_parallel_pipeline_equals_one_device(packed):
         config = make_config(mesh=mesh, pipeline=pipeline or {}, optim=optim or {},
                              model={"num_layers": 4}, data=data)
         trainer = Trainer(config, devices=jax.devices()[:devices])
-        state = trainer.init_state()
+        state = initial_state(trainer)
         batch = trainer.put_batch(next(train_batches(config, open_dataset(config))))
         objective, grads = trainer.loss_and_grads(state.params, batch)
         return float(objective), jax.device_get(trainer.to_model_params(grads))

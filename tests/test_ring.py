@@ -17,7 +17,7 @@ from jaxtron.sharding.rules import activation_rules, activation_sharding
 from jaxtron.sharding.zigzag import zigzag_order, zigzag_ordered
 from jaxtron.training.trainer import Trainer
 
-from conftest import USERS_CODEGEN, make_config
+from conftest import USERS_CODEGEN, initial_state, make_config
 
 
 def qkv(heads=4, kv_heads=2, length=64, batch=2, dim=8, seed=0):
@@ -326,7 +326,7 @@ def assert_same_loss_and_grads(config, single, devices=None):
     results = []
     for c, on in ((config, devices), (single, jax.devices()[:1])):
         trainer = Trainer(c, devices=on)
-        state = trainer.init_state()
+        state = initial_state(trainer)
         loss, grads = trainer.loss_and_grads(state.params, trainer.put_batch(batch))
         results.append((float(loss),
                         jax.device_get(jax.tree.leaves(trainer.to_model_params(grads)))))

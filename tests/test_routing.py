@@ -14,7 +14,7 @@ from jaxtron.hf.translate import to_hf
 from jaxtron.models.moe import MoE, route, top_k
 from jaxtron.training.trainer import Trainer
 
-from conftest import make_config
+from conftest import initial_state, make_config
 
 
 def numpy_gate(logits_TxE, k, score, order="topk_then_softmax", groups=1, top_groups=1,
@@ -152,7 +152,7 @@ V3_MOE = {"num_experts": 4, "top_k": 2, "score": "sigmoid", "route_groups": 2,
 def losses(layout, moe, devices, steps=3):
     config = make_config(layout, moe=moe, train={"batch_size": 8})
     trainer = Trainer(config, devices=devices)
-    state = trainer.init_state()
+    state = initial_state(trainer)
     batches = train_batches(config, open_dataset(config))
     out = []
     for _ in range(steps):

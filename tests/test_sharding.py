@@ -14,7 +14,7 @@ from jaxtron.sharding.mesh import resolve_degrees
 from jaxtron.sharding.report import shard_bytes
 from jaxtron.training.trainer import Trainer
 
-from conftest import USERS_CODEGEN, make_config, run_in_process
+from conftest import USERS_CODEGEN, initial_state, make_config, run_in_process
 
 # 8 query heads over 2 kv heads: tensor=8 splits queries and replicates the kv heads.
 MODEL = {"num_heads": 8, "num_kv_heads": 2, "d_model": 64, "mlp_dim": 128}
@@ -27,7 +27,7 @@ def run(layout: dict, devices, model=MODEL):
                          optim={"warmup_steps": 1, "lr": 1e-2})
     trainer = Trainer(config, devices=devices)
     batches = train_batches(config, open_dataset(config))
-    state = trainer.init_state()
+    state = initial_state(trainer)
     losses, batch = [], trainer.put_batch(next(batches))
     for step in range(STEPS):  # the first step's objective and gradients are compared too
         state, metrics, objective, grads = trainer.step_and_grads(state, batch)

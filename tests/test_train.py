@@ -14,7 +14,7 @@ from jaxtron.data.pipeline import open_dataset, train_batches
 from jaxtron.training.step import accumulated_grads, plain_grads
 from jaxtron.training.trainer import Trainer
 
-from conftest import long_run_env, make_config, metric_records
+from conftest import initial_state, long_run_env, make_config, metric_records
 
 
 def test_overfits_one_batch():
@@ -66,6 +66,47 @@ def test_the_step_returns_the_gradients_of_the_separate_pass_and_updates_as_the_
         np.testing.assert_allclose(got_metrics[key], metrics[key], rtol=1e-6, err_msg=key)
     for a, b in zip(jax.tree.leaves(got_state), jax.tree.leaves(stepped), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-8)
+
+
+MOE = {"num_experts": 4, "top_k": 2}
+MLA = {"attention": "mla", "num_kv_heads": None, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
+       "qk_rope_head_dim": 8, "v_head_dim": 16}
+
+
+@pytest.mark.parametrize("layout, model, moe", [
+    ({"mesh.data": 8, "optim.zero_stage": 1}, {}, {}),
+    ({"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2, "optim.zero_stage": 2}, {}, {}),
+    ({"mesh.data": 2, "mesh.expert": 4}, {}, {**MOE, "mode": "dropless", "shared_experts": 1}),
+    ({"mesh.data": 2, "mesh.sequence": 2, "mesh.tensor": 2}, {**MLA, "mtp_depth": 1}, {}),
+    ({"mesh.stage": 2, "mesh.fsdp": 2, "mesh.data": 2, "pipeline.microbatches": 2,
+      "pipeline.layers_per_stage": [1, 3]},
+     {"tie_embeddings": True, "mtp_depth": 1, "fp8": "tensorwise"}, {}),
+    ({"mesh.stage": 2, "mesh.tensor": 2, "mesh.data": 2, "pipeline.microbatches": 4,
+      "pipeline.schedule": "interleaved", "pipeline.virtual_stages": 2,
+      "optim.host_moments": True}, {}, {}),
+    ({"mesh.stage": 2, "mesh.expert": 2, "mesh.data": 2, "pipeline.microbatches": 2,
+      "pipeline.schedule": "zbv", "pipeline.virtual_stages": 2},
+     {"num_layers": 5}, {**MOE, "first_dense_layers": 1})],
+    ids=["zero1", "fsdp_tensor_zero2", "expert", "mla_mtp_sequence_tensor",
+         "uneven_stages_tied_mtp_fp8", "interleaved_host_moments", "zbv_moe"])
+def test_init_state_has_the_one_device_values_on_every_layout(layout, model, moe):
+    """What the layout tests start from (`initial_state`: one initialisation per model on one
+    device, placed onto the layout) is what `init_state` creates on the mesh itself: the same
+    step, parameters and optimizer state, with the same shardings."""
+    config = make_config(layout, model={"num_layers": 4, **model}, moe=moe)
+    trainer = Trainer(config, devices=jax.devices())
+    got, want = trainer.init_state(), initial_state(trainer)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert a.sharding.is_equivalent_to(b.sharding, a.ndim), (a.sharding, b.sharding)
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    other_seed = Trainer(make_config({**layout, "train.seed": 1}, model={"num_layers": 4,
+                                                                          **model}, moe=moe),
+                         devices=jax.devices())
+    with pytest.raises(AssertionError):  # the comparison sees a different initialisation
+        for a, b in zip(jax.tree.leaves(initial_state(other_seed).params),
+                        jax.tree.leaves(got.params), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def run_steps(config, devices, steps=3):
