@@ -208,8 +208,9 @@ def assign_slots(placed, ticks: int, p: int, v: int, m: int, v_shape: bool = Fal
     res = events(kept, vs[kept], at[backward, micro[kept], vs[kept]])
     act_at, act_slots = _allocate(act, p, m, stages)
     grad_at, grad_slots = _allocate(grad, p, m, stages)
-    w_at, w_slots = _allocate(w, p, m, stages) if len(w) else (act_at * 0, 0)
-    res_at, res_slots = _allocate(res, p, m, stages) if len(res) else (act_at * 0, 0)
+    none = (np.zeros_like(act_at), 0)  # tables without B's stashes or kept residuals
+    w_at, w_slots = _allocate(w, p, m, stages) if len(w) else none
+    res_at, res_slots = _allocate(res, p, m, stages) if len(res) else none
 
     def channels(sender, receiver, ring: int):
         if not v_shape:
