@@ -68,28 +68,41 @@ def ticked(orders, p: int, v: int, v_shape: bool = False) -> dict:
     return cells
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1", "interleaved", "forward"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1", "interleaved", "forward",
+                                      "forward_v"])
 def test_each_job_is_placed_where_a_tick_by_tick_simulation_runs_it(schedule):
     """`place` computes each job's tick from its inputs' and its rank's previous job's; a
-    simulation of the ticks one by one must agree on every cell."""
+    simulation of the ticks one by one must agree on every cell, and the table (with its
+    slots) must pass the checker."""
+    v_shape = schedule == "forward_v"  # zbv's evaluation: two chunks down and up a V
     for p, m, v, recompute in [(1, 3, 1, True), (2, 4, 1, True), (4, 8, 1, False),
                                (4, 3, 1, True), (3, 6, 2, True), (4, 8, 2, False),
                                (4, 4, 3, True)]:
-        if v > 1 and (schedule not in ("interleaved", "forward") or m % p):
+        if v > 1 and (not schedule.startswith(("interleaved", "forward")) or m % p):
             continue
-        if schedule == "forward":
+        if v_shape and v != 2:
+            continue
+        if schedule.startswith("forward"):
             orders = [[Action(FORWARD, mb, c) for g in range(0, m, p) for c in range(v)
                        for mb in range(g, min(g + p, m))]] * p
         else:
             orders = device_orders(schedule, p, m, v, recompute)
-        table = place(schedule, orders, p, m, v)
+        table = place(schedule, orders, p, m, v, v_shape)
         busy = {(int(d), int(t)): (int(table.kind[t, d]), int(table.microbatch[t, d]),
                                    int(table.chunk[t, d]))
                 for t, d in np.argwhere(table.kind != 0)}
-        want = ticked(orders, p, v)
+        want = ticked(orders, p, v, v_shape)
         assert busy == want and table.ticks == 1 + max(t for _, t in want), (p, m, v)
         assert {k for k, _, _ in busy.values()} <= {FORWARD, BACKWARD, INPUT_GRAD,
                                                     WEIGHT_GRAD, RECOMPUTE}
+        check(table, training=not schedule.startswith("forward"))
+
+
+def test_a_job_listed_twice_is_refused():
+    orders = device_orders("1f1b", 2, 2)
+    orders[0].append(orders[0][0])
+    with pytest.raises(ValueError, match="twice"):
+        place("1f1b", orders, 2, 2, 1)
 
 
 @pytest.mark.parametrize("p", [2, 4, 8])

@@ -144,6 +144,8 @@ def place(schedule: str, orders: list[list[Action]], p: int, m: int, v: int,
                 tick = max(tick, at + 1)
             else:
                 job = (a.kind, a.microbatch, vs)
+                if job in done:
+                    raise ValueError(f"schedule {schedule} lists {job} twice")
                 done[job] = tick
                 placed[d].append((tick, a))
                 awake += waiting.pop(job, [])
@@ -176,41 +178,18 @@ def assign_slots(placed, ticks: int, p: int, v: int, m: int, v_shape: bool = Fal
     tables of tens of thousands of jobs)."""
     shape, stages = (ticks, p), p * v
     rank_of = np.array([owner(vs, p, v_shape)[0] for vs in range(stages)])
-    jobs = np.array([(t, d, a.kind, a.microbatch, a.chunk)
-                     for d in range(p) for t, a in placed[d]], np.int64).reshape(-1, 5)
-    tick, device, kinds, micro, chunks = jobs.T
-    vs = (np.where(chunks == 0, device, 2 * p - 1 - device) if v_shape
-          else chunks * p + device)
+    jobs = np.array([(t, d, a.kind, a.microbatch, a.chunk,
+                      virtual_stage(d, a.chunk, p, v_shape))
+                     for d in range(p) for t, a in placed[d]], np.int64).reshape(-1, 6)
+    tick, device, kinds, micro, chunks, vs = jobs.T
     kind, mb, chunk = (np.zeros(shape, np.int32) for _ in range(3))
     kind[tick, device], mb[tick, device], chunk[tick, device] = kinds, micro, chunks
-    at = np.full((RECOMPUTE + 1, m, stages), -1, np.int64)  # each job's tick; -1: none
-    at[kinds, micro, vs] = tick
-    # Arrivals: the forward output of (mb, vs - 1) reaches the device of vs at the end of the
-    # tick it was computed; the backward (or B) output of (mb, vs + 1) likewise. Each is held
-    # until the backward (or B) of (mb, vs) has run; a B's stash until its W.
-    backward = INPUT_GRAD if (kinds == INPUT_GRAD).any() else BACKWARD
-    residuals_from = RECOMPUTE if (kinds == RECOMPUTE).any() else FORWARD
-
-    def events(mask, dest, release):
-        """(arrival, release, device, microbatch, virtual stage) of the jobs in `mask`."""
-        return np.stack([tick[mask], release, rank_of[dest], micro[mask], dest], axis=1)
-
-    sent = (kinds == FORWARD) & (vs < stages - 1)  # held until its backward; without
-    dest = vs[sent] + 1                            # backwards, until its forward
-    held_until = at[backward, micro[sent], dest]
-    act = events(sent, dest, np.where(held_until >= 0, held_until,
-                                      at[FORWARD, micro[sent], dest]))
-    sent = (kinds == backward) & (vs > 0)
-    grad = events(sent, vs[sent] - 1, at[backward, micro[sent], vs[sent] - 1])
-    stashed = kinds == INPUT_GRAD
-    w = events(stashed, vs[stashed], at[WEIGHT_GRAD, micro[stashed], vs[stashed]])
-    kept = (kinds == residuals_from) & (at[backward, micro, vs] >= 0)
-    res = events(kept, vs[kept], at[backward, micro[kept], vs[kept]])
+    act, grad, w, res = _held_values(jobs, m, stages, rank_of)
     act_at, act_slots = _allocate(act, p, m, stages)
     grad_at, grad_slots = _allocate(grad, p, m, stages)
-    none = (np.zeros_like(act_at), 0)  # tables without B's stashes or kept residuals
-    w_at, w_slots = _allocate(w, p, m, stages) if len(w) else none
-    res_at, res_slots = _allocate(res, p, m, stages) if len(res) else none
+    nothing_held = (np.full_like(act_at, -1), 0)  # no B's stashes, or no kept residuals
+    w_at, w_slots = _allocate(w, p, m, stages) if len(w) else nothing_held
+    res_at, res_slots = _allocate(res, p, m, stages) if len(res) else nothing_held
 
     def channels(sender, receiver, ring: int):
         if not v_shape:
@@ -223,28 +202,64 @@ def assign_slots(placed, ticks: int, p: int, v: int, m: int, v_shape: bool = Fal
     send_dir = np.full(shape, NOWHERE, np.int32)
     for arrivals, recv, slot_at, step, ring in ((act, recv_acts, act_at, -1, DOWN),
                                                 (grad, recv_grads, grad_at, 1, UP)):
-        t, d, micro_of, stage_of = arrivals[:, 0], arrivals[:, 2], arrivals[:, 3], arrivals[:, 4]
-        sender = rank_of[stage_of + step]
+        t, d, value_mb, value_vs = arrivals[:, 0], arrivals[:, 2], arrivals[:, 3], arrivals[:, 4]
+        sender = rank_of[value_vs + step]
         way = channels(sender, d, ring)
         for c in (DOWN, UP, SELF):
             here = way == c
-            recv[c][t[here], d[here]] = slot_at[micro_of[here], stage_of[here]]
+            recv[c][t[here], d[here]] = slot_at[value_mb[here], value_vs[here]]
         send_dir[t, sender] = way
-    act_slot = np.zeros(shape, np.int32)
-    grad_slot, w_slot, res_slot = act_slot.copy(), act_slot.copy(), act_slot.copy()
-    act_slot[tick, device] = np.where(act_at[micro, vs] >= 0, act_at[micro, vs], act_slots)
-    backwards = (kinds == BACKWARD) | (kinds == INPUT_GRAD)
-    got = grad_at[micro[backwards], vs[backwards]]
-    grad_slot[tick[backwards], device[backwards]] = np.where(got >= 0, got, grad_slots)
-    split = (kinds == INPUT_GRAD) | (kinds == WEIGHT_GRAD)
-    w_slot[tick[split], device[split]] = w_at[micro[split], vs[split]]
-    reads = kinds != WEIGHT_GRAD
-    got = res_at[micro[reads], vs[reads]]
-    res_slot[tick[reads], device[reads]] = np.where(got >= 0, got, res_slots)
+
+    def slots_read(jobs_mask, slot_at, scratch: int) -> np.ndarray:
+        """[ticks, ranks]: the slot each job in `jobs_mask` reads, `scratch` for none."""
+        out = np.zeros(shape, np.int32)
+        held = slot_at[micro[jobs_mask], vs[jobs_mask]]
+        out[tick[jobs_mask], device[jobs_mask]] = np.where(held >= 0, held, scratch)
+        return out
+
+    every = np.ones(len(kinds), bool)
+    act_slot = slots_read(every, act_at, act_slots)
+    grad_slot = slots_read((kinds == BACKWARD) | (kinds == INPUT_GRAD), grad_at, grad_slots)
+    w_slot = slots_read((kinds == INPUT_GRAD) | (kinds == WEIGHT_GRAD), w_at, 0)
+    res_slot = slots_read(kinds != WEIGHT_GRAD, res_at, res_slots)
     return Table(kind, mb, chunk, act_slot, grad_slot, recv_acts[DOWN], recv_grads[UP],
                  act_slots, grad_slots, p, v, m, w_slot, w_slots, recv_acts[UP],
                  recv_acts[SELF], recv_grads[DOWN], recv_grads[SELF], send_dir, v_shape,
                  res_slot, res_slots)
+
+
+def _held_values(jobs: np.ndarray, m: int, stages: int, rank_of: np.ndarray):
+    """What waits in a buffer, from jobs (tick, device, kind, microbatch, chunk, virtual
+    stage): the forward output of (mb, vs - 1) reaches the device of vs at the end of the tick
+    it was computed, and the backward (or B) output of (mb, vs + 1) likewise; each is held
+    until the backward (or B) of (mb, vs) has run (forward-only: until its forward). A B's
+    stash is held until its W, a forward's (or R's) residuals until its backward. -> events
+    (arrival, release, device, microbatch, virtual stage) of (activations, gradients,
+    stashes, residuals)."""
+    tick, _, kinds, micro, _, vs = jobs.T
+    tick_of_job = np.full((RECOMPUTE + 1, m, stages), -1, np.int64)  # -1: no such job
+    tick_of_job[kinds, micro, vs] = tick
+    backward = INPUT_GRAD if (kinds == INPUT_GRAD).any() else BACKWARD
+    residuals_from = RECOMPUTE if (kinds == RECOMPUTE).any() else FORWARD
+
+    def events(mask, value_vs, release):
+        if (release < 0).any():
+            raise ValueError("a job's value is held for a job the table does not have")
+        return np.stack([tick[mask], release, rank_of[value_vs], micro[mask], value_vs], axis=1)
+
+    forwards = (kinds == FORWARD) & (vs < stages - 1)
+    next_vs = vs[forwards] + 1
+    its_backward = tick_of_job[backward, micro[forwards], next_vs]
+    activations = events(forwards, next_vs, np.where(
+        its_backward >= 0, its_backward, tick_of_job[FORWARD, micro[forwards], next_vs]))
+    backwards = (kinds == backward) & (vs > 0)
+    gradients = events(backwards, vs[backwards] - 1,
+                       tick_of_job[backward, micro[backwards], vs[backwards] - 1])
+    bs = kinds == INPUT_GRAD
+    stashes = events(bs, vs[bs], tick_of_job[WEIGHT_GRAD, micro[bs], vs[bs]])
+    kept = (kinds == residuals_from) & (tick_of_job[backward, micro, vs] >= 0)
+    residuals = events(kept, vs[kept], tick_of_job[backward, micro[kept], vs[kept]])
+    return activations, gradients, stashes, residuals
 
 
 def _allocate(events: np.ndarray, p: int, m: int, stages: int) -> tuple[np.ndarray, int]:
