@@ -3,7 +3,6 @@ cache for every worker of a session, and the longest tests first."""
 
 import contextlib
 import dataclasses
-import functools
 import gc
 import importlib
 import io
@@ -260,17 +259,7 @@ def losses_by_step(run_dir) -> dict:
     return {r["step"]: r["loss"] for r in metric_records(run_dir)}
 
 
-@functools.cache
-def _one_device_params(model, moe, seed: int):
-    """A model's initial parameters, on the host: `Trainer._new_model` on one device."""
-    from flax import nnx
-
-    from jaxtron.models.transformer import Transformer
-
-    init = jax.jit(lambda: nnx.state(Transformer(model, rngs=nnx.Rngs(seed), moe=moe),
-                                     nnx.Param),
-                   out_shardings=jax.sharding.SingleDeviceSharding(jax.devices()[0]))
-    return jax.device_get(init())
+_ONE_DEVICE_PARAMS: dict[tuple, object] = {}  # (model, moe, seed) -> host parameters
 
 
 def initial_state(trainer):
@@ -278,12 +267,11 @@ def initial_state(trainer):
     layout: each model is initialised once on one device and placed onto the trainer's
     shardings (as pipeline stages where it has them). Tests of a layout's step start here;
     `tests/test_train.py` checks that `init_state` itself gives these values on every layout."""
-    from jaxtron.training.step import TrainState
-
     c = trainer.config
-    params = _one_device_params(c.model, c.moe, c.train.seed)
-    if trainer.stages:
-        params = trainer.stages.to_pipeline_params(params)
-    state = TrainState(step=jax.numpy.zeros((), jax.numpy.int32), params=params,
-                       opt_state=trainer.tx.init(params))
-    return jax.device_put(state, trainer.state_shardings)
+    key = (c.model, c.moe, c.train.seed)
+    if key not in _ONE_DEVICE_PARAMS:
+        one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        _ONE_DEVICE_PARAMS[key] = jax.device_get(
+            jax.jit(trainer._initial_params, out_shardings=one_device)())
+    return jax.device_put(trainer._fresh_state(_ONE_DEVICE_PARAMS[key]),
+                          trainer.state_shardings)

@@ -152,12 +152,20 @@ class Trainer:
         return Transformer(self.config.model, rngs=nnx.Rngs(self.config.train.seed),
                            moe=self.config.moe)
 
-    def _init(self) -> TrainState:
-        params = nnx.state(self._new_model(), nnx.Param)
+    def _initial_params(self) -> nnx.State:
+        """The new model's parameters, in the model's own layout."""
+        return nnx.state(self._new_model(), nnx.Param)
+
+    def _fresh_state(self, params: nnx.State) -> TrainState:
+        """Step 0 around `params` (model layout): stacked into pipeline stages where the run
+        has them, with the optimizer's initial state."""
         if self.stages:
             params = self.stages.to_pipeline_params(params)
         return TrainState(step=jax.numpy.zeros((), jax.numpy.int32), params=params,
                           opt_state=self.tx.init(params))
+
+    def _init(self) -> TrainState:
+        return self._fresh_state(self._initial_params())
 
     def init_state(self) -> TrainState:
         """A fresh state, created on the mesh with its final shardings."""
