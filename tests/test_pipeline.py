@@ -376,9 +376,8 @@ def test_split_backward_memory_is_1f1bs_plus_its_stashes(monkeypatch, schedule, 
 
     monkeypatch.setattr(split_vjp.SplitVJP, "input_grad", recording_b)
     monkeypatch.setattr(stored_vjp.StoredVJP, "forward", recording_r)
-    temp_bytes.cache_clear()  # trace B and R again, recorded
     activation = 2 * 64 * 128 * 4
-    split = temp_bytes(schedule, 4, 8, virtual)
+    split = temp_bytes.__wrapped__(schedule, 4, 8, virtual)  # traced again, B and R recorded
     table = build_table(schedule, 4, 4, virtual, recompute=True)
     one_f_one_b = build_table("1f1b", 4, 4, recompute=True)
     assert table.recomputes == (schedule != "zb-h1")
@@ -391,7 +390,6 @@ def test_split_backward_memory_is_1f1bs_plus_its_stashes(monkeypatch, schedule, 
     assert 0.95 * low <= extra <= 1.05 * high, (extra, low, high)
     if schedule == "zb-h1":
         assert abs(temp_bytes(schedule, 16, 8) - split) < activation
-    temp_bytes.cache_clear()
 
 
 def test_stored_residuals_cost_their_slots_and_zb_h1_holds_what_1f1b_without_recompute_holds(
@@ -412,16 +410,14 @@ def test_stored_residuals_cost_their_slots_and_zb_h1_holds_what_1f1b_without_rec
         return outputs, aux, stored
 
     monkeypatch.setattr(stored_vjp.StoredVJP, "forward", recording)
-    temp_bytes.cache_clear()
     activation = 2 * 64 * 128 * 4
-    stored = temp_bytes("1f1b", 4, 8, recompute=False)
+    stored = temp_bytes.__wrapped__("1f1b", 4, 8, recompute=False)  # traced again, recorded
     slots, residuals = build_table("1f1b", 4, 4).res_slots, residual_bytes[-1]
     extra = stored - temp_bytes("1f1b", 4, 8)
     assert 0.95 * slots * residuals <= extra <= 1.05 * (slots + 1) * residuals, extra
     assert abs(temp_bytes("1f1b", 16, 8, recompute=False) - stored) < activation
     # measured: 0.88 (zb-h1 18.3 MB, 1F1B without recomputation 20.8 MB, recomputing 7.7 MB)
     assert temp_bytes("zb-h1", 4, 8) <= 1.1 * stored
-    temp_bytes.cache_clear()
 
 
 def test_train_cli_with_two_stages(tmp_path):
