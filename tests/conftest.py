@@ -227,6 +227,19 @@ def first_batch_objective_metrics_grads(config, devices: int):
             jax.device_get(trainer.to_model_params(grads)))
 
 
+_ONE_DEVICE_REFERENCES: dict[str, tuple] = {}  # repr(config) -> its first batch on one device
+
+
+def one_device_reference(config):
+    """`first_batch_objective_metrics_grads(config, 1)`, computed once per config in a
+    process: several layouts compare with the same one-device run. Not for a test that
+    changes the code the reference runs (`monkeypatch`): its second run would not be run."""
+    key = repr(config)
+    if key not in _ONE_DEVICE_REFERENCES:
+        _ONE_DEVICE_REFERENCES[key] = first_batch_objective_metrics_grads(config, 1)
+    return _ONE_DEVICE_REFERENCES[key]
+
+
 def run_in_process(module: str, *args: str, cwd=None) -> subprocess.CompletedProcess:
     """`python -m <module> <args>` as its `__main__` runs it, but in this process with its
     output captured: for a command test that checks what the command prints or writes, not

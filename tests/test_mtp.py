@@ -26,7 +26,12 @@ from jaxtron.models.transformer import Transformer
 from jaxtron.training.trainer import Trainer
 
 from attention_oracle import attention
-from conftest import first_batch_objective_metrics_grads, initial_state, make_config
+from conftest import (
+    first_batch_objective_metrics_grads,
+    initial_state,
+    make_config,
+    one_device_reference,
+)
 
 # --- a numpy Llama trunk, MTP modules and head, from the parameter arrays ---------------------
 
@@ -149,6 +154,8 @@ def objective_metrics_grads(mesh, devices, pipeline=None, optim=None):
     config = make_config(model={"mtp_depth": 2, "num_layers": 4}, mesh=mesh,
                          pipeline=pipeline or {}, optim=optim or {},
                          data={"packing": "documents", "eod_mask_loss": True})
+    if devices == 1:  # both layouts compare with it
+        return one_device_reference(config)
     return first_batch_objective_metrics_grads(config, devices)
 
 

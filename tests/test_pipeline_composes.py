@@ -12,7 +12,12 @@ import pytest
 from jaxtron.data.pipeline import open_dataset, train_batches
 from jaxtron.training.trainer import Trainer
 
-from conftest import first_batch_objective_metrics_grads, initial_state, make_config
+from conftest import (
+    first_batch_objective_metrics_grads,
+    initial_state,
+    make_config,
+    one_device_reference,
+)
 
 MOE = {"num_experts": 4, "top_k": 2}
 
@@ -20,6 +25,8 @@ MOE = {"num_experts": 4, "top_k": 2}
 def objective_metrics_grads(mesh, *, moe, pipeline=None, optim=None, layers=4, devices=1):
     config = make_config(mesh=mesh, moe={**MOE, **moe}, pipeline=pipeline or {},
                          optim=optim or {}, model={"num_layers": layers})
+    if devices == 1:  # cases with the same model and microbatches share it
+        return one_device_reference(config)
     return first_batch_objective_metrics_grads(config, devices)
 
 
