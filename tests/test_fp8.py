@@ -16,7 +16,7 @@ from jaxtron.config.loading import config_from_dict, config_to_dict
 from jaxtron.kernels.fp8 import E4M3, E5M2, fp8_delayed_einsum, fp8_einsum, fp8_grouped_matmul
 from jaxtron.training.trainer import Trainer
 
-from conftest import make_config
+from conftest import initial_state, make_config
 
 
 def numpy_quantize(x, dtype, amax=None):
@@ -100,7 +100,7 @@ def run(fp8, steps, mesh=None, devices=1, moe=None, **settings):
                          model={"fp8": fp8, "fp8_amax_history": 4}, moe=moe or {},
                          mesh=mesh or {"data": 1}, optim={"warmup_steps": 5})
     trainer = Trainer(config, devices=jax.devices()[:devices])
-    state = trainer.init_state()
+    state = initial_state(trainer)
     tokens = np.random.default_rng(2).integers(0, 256, (8, 33)).astype(np.int32)
     out = []
     for _ in range(steps):

@@ -299,7 +299,7 @@ def max_load_after_training(aux_coef):
                          mesh={"data": 1}, optim={"lr": 1e-2})
     trainer = Trainer(config, devices=jax.devices()[:1])
     batches = train_batches(config, open_dataset(config))
-    state = trainer.init_state()
+    state = initial_state(trainer)
     loads = []
     for _ in range(config.train.steps):
         state, metrics = trainer.step(state, trainer.put_batch(next(batches)))

@@ -12,7 +12,7 @@ from jaxtron.training.muon import matrix_dimensions
 from jaxtron.training.optimizers import build_optimizer
 from jaxtron.training.trainer import Trainer
 
-from conftest import make_config
+from conftest import initial_state, make_config
 
 LR, WD, BETA = 1e-2, 0.1, 0.95
 COEFFS = (3.4445, -4.775, 2.0315)
@@ -83,7 +83,7 @@ def test_sharded_muon_equals_one_device(mesh):
         config = make_config(optim=MUON, mesh=mesh, pipeline=pipeline or {},
                              model={"num_layers": 2})
         trainer = Trainer(config, devices=jax.devices()[:devices])
-        state = trainer.init_state()
+        state = initial_state(trainer)
         tokens = np.random.default_rng(1).integers(0, 256, (8, 33)).astype(np.int32)
         for _ in range(3):
             state, metrics = trainer.step(state, trainer.put_batch({"tokens": tokens}))
@@ -94,7 +94,7 @@ def test_sharded_muon_equals_one_device(mesh):
     if pipeline is not None:  # the pipeline's reference accumulates the same microbatches
         config_ref = make_config(optim={**MUON, "grad_accum": 2}, model={"num_layers": 2})
         trainer = Trainer(config_ref, devices=jax.devices()[:1])
-        state = trainer.init_state()
+        state = initial_state(trainer)
         tokens = np.random.default_rng(1).integers(0, 256, (8, 33)).astype(np.int32)
         for _ in range(3):
             state, metrics = trainer.step(state, trainer.put_batch({"tokens": tokens}))

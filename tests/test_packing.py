@@ -14,7 +14,7 @@ from jaxtron.data.indexed import IndexedDataset, write_indexed
 from jaxtron.data.windows import Windows
 from jaxtron.training.trainer import Trainer
 
-from conftest import make_config
+from conftest import initial_state, make_config
 
 L = 32
 
@@ -88,7 +88,7 @@ def test_packed_rows_train_like_their_documents_one_by_one(name):
     config = make_config(model=model, mesh=mesh, train={"batch_size": 4},
                          data={"packing": "documents", "eod_mask_loss": True}, **others)
     trainer = Trainer(config, devices=jax.devices()[:int(np.prod(list(mesh.values())))])
-    state = trainer.init_state()
+    state = initial_state(trainer)
     rows = random_rows(np.random.default_rng(0), 4)
     objective, grads = packed_loss_and_grads(trainer, state.params, pack(rows))
     model_params = trainer.to_model_params(state.params)

@@ -10,7 +10,7 @@ from jaxtron.data.pipeline import open_dataset, train_batches
 from jaxtron.models.moe import route, update_router_bias
 from jaxtron.training.trainer import Trainer
 
-from conftest import make_config
+from conftest import initial_state, make_config
 
 
 def test_the_bias_moves_the_choice_but_not_the_weights():
@@ -48,7 +48,7 @@ def moe_config(rate, optim=None, **extra):
 def max_loads(rate, steps=100):
     config = moe_config(rate)
     trainer = Trainer(config, devices=jax.devices()[:1])
-    state = trainer.init_state()
+    state = initial_state(trainer)
     batches = train_batches(config, open_dataset(config))
     loads = []
     for _ in range(steps):
@@ -81,7 +81,7 @@ def test_bias_moves_alike_on_a_pipeline_and_one_device():
     def bias_after_steps(devices, **sections):
         config = moe_config(0.01, **sections)
         trainer = Trainer(config, devices=jax.devices()[:devices])
-        state = trainer.init_state()
+        state = initial_state(trainer)
         batches = train_batches(config, open_dataset(config))
         for _ in range(3):  # an odd number of +-rate moves: never back to exactly 0
             state, _ = trainer.step(state, trainer.put_batch(next(batches)))
