@@ -22,7 +22,7 @@ from jaxtron.planner.layout import Layout
 from jaxtron.planner.memory import offloaded_bytes, predict
 from jaxtron.training.trainer import Trainer
 
-from conftest import initial_state, losses_by_step, make_config
+from conftest import losses_by_step, make_config
 from test_ring import assert_same_loss_and_grads
 
 PIPELINE = {"mesh.stage": 2, "mesh.data": 4, "pipeline.microbatches": 2}
@@ -93,7 +93,7 @@ def test_the_planner_keeps_offloaded_activations_off_the_device_and_charges_the_
 def three_steps(overrides: dict):
     config = make_config(overrides, optim={"warmup_steps": 1}, train={"batch_size": 8})
     trainer = Trainer(config)
-    state = initial_state(trainer)
+    state = trainer.init_state()
     kinds = {leaf.sharding.memory_kind for leaf in jax.tree.leaves(state.opt_state)}
     batches = train_batches(config, open_dataset(config))
     losses = []
