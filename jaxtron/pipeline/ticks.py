@@ -121,66 +121,83 @@ def place(schedule: str, orders: list[list[Action]], p: int, m: int, v: int,
     """Each device's actions in its order, each at the earliest tick after both its device's
     previous action and its inputs. A device is placed on until an input is not placed yet,
     then waits for that job: placing it wakes the device again. Devices left waiting at the
-    end are a deadlock."""
-    last = p * v - 1
-    done: dict[tuple[int, int, int], int] = {}  # (kind, microbatch, virtual stage) -> tick
-    placed: list[list[tuple[int, Action]]] = [[] for _ in range(p)]
-    stage_of = [[virtual_stage(d, c, p, v_shape) for c in range(v)] for d in range(p)]
-    cursor = [0] * p
-    waiting: dict[tuple[int, int, int], list[int]] = {}  # job -> devices waiting for it
+    end are a deadlock. Jobs are numbered (`_job_numbers`) so the walk, over tens of thousands
+    of jobs in the planner's tables, touches only ints."""
+    columns = [_order_columns(order, d, p, v_shape) for d, order in enumerate(orders)]
+    numbered = [_job_numbers(c, m, p * v) for c in columns]
+    done = [-1] * ((RECOMPUTE + 1) * m * p * v)  # job number -> its tick, -1 not yet placed
+    ticks: list[list[int]] = [[] for _ in range(p)]
+    waiting: dict[int, list[int]] = {}  # job number -> devices waiting for it
     awake = list(range(p))
     while awake:
         d = awake.pop()
-        order, i = orders[d], cursor[d]
-        tick = placed[d][-1][0] + 1 if placed[d] else 0
-        while i < len(order):
-            a = order[i]
-            vs = stage_of[d][a.chunk]
-            for job in _inputs(a, vs, last):
-                at = done.get(job)
-                if at is None:
-                    waiting.setdefault(job, []).append(d)
+        jobs, placed = numbered[d], ticks[d]
+        i = len(placed)
+        tick = placed[-1] + 1 if placed else 0
+        while i < len(jobs):
+            job, first, second = jobs[i]
+            for needed in (first, second):
+                if needed < 0:
+                    continue
+                at = done[needed]
+                if at < 0:
+                    waiting.setdefault(needed, []).append(d)
                     break
-                tick = max(tick, at + 1)
+                if at >= tick:
+                    tick = at + 1
             else:
-                job = (a.kind, a.microbatch, vs)
-                if job in done:
-                    raise ValueError(f"schedule {schedule} lists {job} twice")
+                if done[job] >= 0:
+                    kind, micro, _, vs = columns[d][:, i].tolist()
+                    raise ValueError(f"schedule {schedule} lists {(kind, micro, vs)} twice")
                 done[job] = tick
-                placed[d].append((tick, a))
+                placed.append(tick)
                 awake += waiting.pop(job, [])
                 i, tick = i + 1, tick + 1
                 continue
             break
-        cursor[d] = i
-    if any(cursor[d] < len(orders[d]) for d in range(p)):
+    if any(len(ticks[d]) < len(orders[d]) for d in range(p)):
         raise RuntimeError(f"schedule {schedule} deadlocked")
-    return assign_slots(placed, 1 + max((jobs[-1][0] for jobs in placed if jobs), default=-1),
-                        p, v, m, v_shape)
+    jobs = np.concatenate([np.stack([np.asarray(ticks[d], np.int64).reshape(-1),
+                                     np.full(len(ticks[d]), d), *columns[d][:3],
+                                     columns[d][3]], axis=1) for d in range(p)])
+    return assign_slots(jobs, 1 + max((t[-1] for t in ticks if t), default=-1), p, v, m, v_shape)
 
 
-def _inputs(a: Action, vs: int, last: int) -> tuple[tuple[int, int, int], ...]:
-    """The jobs whose outputs `a` (on virtual stage `vs`) reads, as `done`'s keys."""
-    if a.kind == FORWARD:
-        return () if vs == 0 else ((FORWARD, a.microbatch, vs - 1),)
-    if a.kind == WEIGHT_GRAD:
-        return ((INPUT_GRAD, a.microbatch, vs),)
-    if a.kind == RECOMPUTE:
-        return ((FORWARD, a.microbatch, vs),)
-    # a whole backward or a B: its forward and the next stage's same job
-    return ((FORWARD, a.microbatch, vs),) + (() if vs == last else
-                                             ((a.kind, a.microbatch, vs + 1),))
+def _order_columns(order: list[Action], d: int, p: int, v_shape: bool) -> np.ndarray:
+    """A device's order as [4, n] int64: kind, microbatch, chunk, virtual stage."""
+    if not order:
+        return np.zeros((4, 0), np.int64)
+    kind, micro, chunk = np.array([(a.kind, a.microbatch, a.chunk) for a in order],
+                                  np.int64).T
+    vs = np.where(chunk == 0, d, 2 * p - 1 - d) if v_shape else chunk * p + d
+    return np.stack([kind, micro, chunk, vs])
 
 
-def assign_slots(placed, ticks: int, p: int, v: int, m: int, v_shape: bool = False) -> Table:
-    """The table of jobs `placed` per device as (tick, Action): buffer slots for what arrives
-    and what a B stashes. Computed over arrays of every job at once (the planner builds
-    tables of tens of thousands of jobs)."""
+def _job_numbers(columns: np.ndarray, m: int, stages: int) -> list[tuple[int, int, int]]:
+    """(job, first input, second input) per action, each a job number (kind, microbatch,
+    virtual stage) -> (kind * m + microbatch) * stages + stage, -1 for none: a forward reads
+    the previous stage's forward; a whole backward or a B its forward and the next stage's
+    same job; an R its forward; a W its B."""
+    kind, micro, _, vs = columns
+    number = lambda k, s: (k * m + micro) * stages + s  # noqa: E731
+    none = np.full_like(kind, -1)
+    backward = (kind == BACKWARD) | (kind == INPUT_GRAD)
+    first = np.select([kind == FORWARD, kind == WEIGHT_GRAD],
+                      [np.where(vs > 0, number(FORWARD, vs - 1), -1), number(INPUT_GRAD, vs)],
+                      number(FORWARD, vs))
+    second = np.where(backward & (vs < stages - 1), number(kind, vs + 1), none)
+    return list(zip(number(kind, vs).tolist(), first.tolist(), second.tolist()))
+
+
+def assign_slots(jobs: np.ndarray, ticks: int, p: int, v: int, m: int,
+                 v_shape: bool = False) -> Table:
+    """The table of `jobs`, one row (tick, device, kind, microbatch, chunk, virtual stage) per
+    placed job in any order: buffer slots for what arrives and what a B stashes. Computed
+    over arrays of every job at once (the planner builds tables of tens of thousands of
+    jobs)."""
     shape, stages = (ticks, p), p * v
     rank_of = np.array([owner(vs, p, v_shape)[0] for vs in range(stages)])
-    jobs = np.array([(t, d, a.kind, a.microbatch, a.chunk,
-                      virtual_stage(d, a.chunk, p, v_shape))
-                     for d in range(p) for t, a in placed[d]], np.int64).reshape(-1, 6)
+    jobs = np.asarray(jobs, np.int64).reshape(-1, 6)
     tick, device, kinds, micro, chunks, vs = jobs.T
     kind, mb, chunk = (np.zeros(shape, np.int32) for _ in range(3))
     kind[tick, device], mb[tick, device], chunk[tick, device] = kinds, micro, chunks
@@ -265,20 +282,32 @@ def _held_values(jobs: np.ndarray, m: int, stages: int, rank_of: np.ndarray):
 def _allocate(events: np.ndarray, p: int, m: int, stages: int) -> tuple[np.ndarray, int]:
     """Smallest free slot per device, held from arrival (end of tick) to release (end of
     tick), for events (arrival, release, device, microbatch, virtual stage) -> ([m, stages]
-    slot of each held value, -1 elsewhere; slots per device)."""
+    slot of each held value, -1 elsewhere; slots per device). Each device's values are
+    given slots in the order they arrive (then release, microbatch, stage)."""
     slot_at = np.full((m, stages), -1, np.int64)
-    busy, free, count = [[] for _ in range(p)], [[] for _ in range(p)], [0] * p
-    order = np.lexsort(events.T[::-1]) if len(events) else []
-    for arrive, release, d, micro, stage in events[order].tolist():
-        while busy[d] and busy[d][0][0] <= arrive:  # released by now: free again
-            heapq.heappush(free[d], heapq.heappop(busy[d])[1])
-        if free[d]:
-            slot = heapq.heappop(free[d])
-        else:
-            slot, count[d] = count[d], count[d] + 1
-        heapq.heappush(busy[d], (release, slot))
-        slot_at[micro, stage] = slot
-    return slot_at, max(count + [1])
+    if not len(events):
+        return slot_at, 1
+    arrive, release, device, micro, stage = events.T
+    order = np.lexsort((stage, micro, release, arrive, device))
+    arrive, release, device = arrive[order].tolist(), release[order].tolist(), device[order]
+    slots, count = [0] * len(order), 1
+    for start, end in zip(np.searchsorted(device, range(p)),
+                          np.searchsorted(device, range(p), side="right")):
+        busy: list[tuple[int, int]] = []  # (release, slot) of the values held now
+        free: list[int] = []
+        used = 0
+        for i in range(start, end):
+            while busy and busy[0][0] <= arrive[i]:  # released by now: free again
+                heapq.heappush(free, heapq.heappop(busy)[1])
+            if free:
+                slot = heapq.heappop(free)
+            else:
+                slot, used = used, used + 1
+            heapq.heappush(busy, (release[i], slot))
+            slots[i] = slot
+        count = max(count, used)
+    slot_at[micro[order], stage[order]] = slots
+    return slot_at, count
 
 
 def receivers(table: Table) -> np.ndarray:

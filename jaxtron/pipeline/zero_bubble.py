@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import bisect
 
+import numpy as np
+
 from jaxtron.pipeline.ticks import (
     FORWARD,
     INPUT_GRAD,
@@ -87,7 +89,7 @@ def zbv_table(stages: int, microbatches: int, recompute: bool = False) -> Table:
     p, m = stages, microbatches
     last, cap = 2 * p - 1, 2 * p
     done: dict[tuple[int, int, int], int] = {}
-    placed: list[list[tuple[int, Action]]] = [[] for _ in range(p)]
+    placed: list[tuple[int, int, int, int, int, int]] = []  # `assign_slots`' job rows
     held, waiting_w, recomputed = [0] * p, [[] for _ in range(p)], [0] * p
     # Forwards on a virtual stage run in microbatch order, so each stage's next is known.
     # Per rank, in microbatch order, the later stage first, as (mb, earlier?, vs): the chunk
@@ -129,7 +131,7 @@ def zbv_table(stages: int, microbatches: int, recompute: bool = False) -> Table:
                 continue
             kind, mb, vs = job
             done[job] = tick
-            placed[d].append((tick, Action(kind, mb, owner(vs, p, True)[1])))
+            placed.append((tick, d, kind, mb, owner(vs, p, True)[1], vs))
             key = (mb, vs < p, vs)
             if kind == FORWARD:
                 held[d] += 1
@@ -154,5 +156,5 @@ def zbv_table(stages: int, microbatches: int, recompute: bool = False) -> Table:
                 waiting_w[d].pop(0)
                 held[d] -= 1
         tick += 1
-    return assign_slots(placed, tick, p, 2, m, v_shape=True)
+    return assign_slots(np.array(placed, np.int64), tick, p, 2, m, v_shape=True)
 

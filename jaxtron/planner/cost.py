@@ -86,9 +86,8 @@ def _inner_devices(layout: Layout) -> dict[str, int]:
 
 def estimate(config: Config, layout: Layout, hardware: Hardware, platform: str = "gpu") -> Cost:
     tokens = config.train.batch_size * config.data.seq_len
-    c = _with_remat(config, layout)
-    model_flops = training_flops_per_token(c.model, c.data.seq_len, c.moe) * tokens
-    hw_flops = hardware_flops_per_token(c, platform) * tokens
+    model_per_token, hw_per_token = _flops_per_token(config, layout, platform)
+    model_flops, hw_flops = model_per_token * tokens, hw_per_token * tokens
     per_device_peak = hardware.peak_flops * hardware.efficiency
     compute = hw_flops / layout.devices / per_device_peak
     if layout.remat == "save_dots":
@@ -123,21 +122,24 @@ def host_seconds(config: Config, layout: Layout, hardware: Hardware) -> float:
     return 2 * offloaded_bytes(config, layout) * layers * passes / hardware.host_bw
 
 
-_DERIVED: dict[tuple, tuple[Config, Config]] = {}
+_FLOPS: dict[tuple, tuple[Config, tuple[float, float]]] = {}
 
 
-def _with_remat(config: Config, layout: Layout) -> Config:
-    """`config` with the layout's remat, stage count and pipeline recompute; the planner asks
-    for a handful of these per search, for a million layouts, so they are kept."""
-    key = (id(config), layout.remat, layout.stage, layout.recompute)
-    kept = _DERIVED.get(key)
+def _flops_per_token(config: Config, layout: Layout, platform: str) -> tuple[float, float]:
+    """(model, hardware) FLOPs per token of `config` with the layout's remat, stage count and
+    pipeline recompute; the planner asks for a handful of these per search, for a million
+    layouts, so they are kept."""
+    key = (id(config), layout.remat, layout.stage, layout.recompute, platform)
+    kept = _FLOPS.get(key)
     if kept is not None and kept[0] is config:
         return kept[1]
-    if len(_DERIVED) > 1024:
-        _DERIVED.clear()
-    derived = _derive(config, layout)
-    _DERIVED[key] = (config, derived)
-    return derived
+    if len(_FLOPS) > 1024:
+        _FLOPS.clear()
+    c = _derive(config, layout)
+    flops = (training_flops_per_token(c.model, c.data.seq_len, c.moe),
+             hardware_flops_per_token(c, platform))
+    _FLOPS[key] = (config, flops)
+    return flops
 
 
 def _derive(config: Config, layout: Layout) -> Config:
