@@ -137,16 +137,24 @@ def test_gpu_check_records_every_gpu_test_and_passes_when_they_skip(tmp_path):
 
 
 def test_schedules_are_timed_side_by_side_with_their_tables_bubbles():
+    import jax
+
     from jaxtron import bench
-    from jaxtron.config.loading import load_config
+    from jaxtron.config.loading import config_from_dict, config_to_dict, load_config
     from jaxtron.errors import ConfigError
     from jaxtron.pipeline.schedules import build_table
 
     config = load_config("configs/tiny.yaml", ["mesh.stage=2", "mesh.data=4",
                                                "pipeline.microbatches=2", "train.batch_size=8",
                                                "data.seq_len=32", "model.num_layers=4"])
-    rows = bench.compare_schedules(config, ["1f1b", "interleaved", "zb-h1:stored"], 0, 1,
-                                   1)["schedules"]
+    measured = {}
+    rows = bench.compare_schedules(config, ["1f1b", "interleaved", "zb-h1:stored"], 0, 1, 1,
+                                   measured)["schedules"]
+    # A row that is the run's own config is the run's measurement, not a second compile.
+    assert len(measured) == 3
+    own = config_from_dict(config_to_dict(config), ["pipeline.schedule=1f1b"])
+    assert bench.measured_once(own, jax.devices(), 0, 1, 1, measured)["step_s"] == rows[
+        "1f1b"]["step_s"] and len(measured) == 3
     for row in rows.values():  # each against the first schedule's time, measured in the run
         assert row["step_time_ratio"] == pytest.approx(row["step_s"] / rows["1f1b"]["step_s"])
         assert row["parallel_ratio"] == pytest.approx(row["parallel_units"]
