@@ -22,7 +22,6 @@ Gradients accumulate in `Grads`, in the layouts of their parameters.
 
 from __future__ import annotations
 
-import functools
 from typing import Callable
 
 import jax
@@ -106,7 +105,7 @@ class TrainingJobs(EvaluationJobs):
         super().__init__(program, rank)
         self.scale, self.store = scale, store
         self.from_residuals = store or program.table.recomputes  # backwards read residuals
-        self.stored_vjp, self.split = StoredVJP(), SplitVJP()
+        self.stored_vjp, self.split = StoredVJP(self._stage), SplitVJP()
 
     def by_kind(self) -> list[Callable]:
         table = self.program.table
@@ -125,7 +124,8 @@ class TrainingJobs(EvaluationJobs):
         t0 = jnp.zeros((), jnp.int32)
         res = []
         if self.from_residuals:  # each forward's (or R's) residuals, in a slot until B
-            res = jax.eval_shape(lambda t: self.stored_vjp.forward(*self._job_fn(t), x)[2], t0)
+            _, params, where = self._job_fn(t0)  # traced here once for every job that runs it
+            res = self.stored_vjp.residual_shapes(params, x, where)
             carry = carry.replace(res=[jnp.zeros((table.res_slots, *a.shape), a.dtype)
                                        for a in res])
         if table.split:  # each B's stash, kept in its slot until its W
@@ -139,20 +139,25 @@ class TrainingJobs(EvaluationJobs):
     def _at(self, name: str, t):
         return self.program.at(name, t, self.rank.me)
 
+    def _stage(self, params, x, where):
+        """The rank's composite stage: params (first, shared, chunk, last), where (microbatch,
+        chunk, the chunk's active mask) -> ((y, objective), metrics)."""
+        return self.program.composite(self.rank, *where, *params, x)
+
     def _job_fn(self, t):
-        """(fn(params, x) -> ((y, objective), metrics), params) of the job at tick t, params
-        being (first, shared, chunk, last)."""
+        """(fn(params, x) -> ((y, objective), metrics), params, where) of the job at tick t:
+        `_stage` at the tick's microbatch and chunk."""
         rank, chunk = self.rank, self._at("chunk", t)
         chunk_p, chunk_active = self.program.chunk(rank, chunk)
-        run = functools.partial(self.program.composite, rank, self._at("microbatch", t), chunk,
-                                chunk_active)
-        return lambda ps, x: run(*ps, x), (rank.first, rank.shared, chunk_p, rank.last)
+        where = (self._at("microbatch", t), chunk, chunk_active)
+        return (lambda ps, x: self._stage(ps, x, where),
+                (rank.first, rank.shared, chunk_p, rank.last), where)
 
     def forward(self, carry: Carry, t, held):
         x_in = carry.acts[self._at("act_slot", t)]
-        fn, params = self._job_fn(t)
+        fn, params, where = self._job_fn(t)
         if self.store:  # the residuals the backward reads, instead of recomputing them
-            (y, objective), metrics, residuals = self.stored_vjp.forward(fn, params, x_in)
+            (y, objective), metrics, residuals = self.stored_vjp.forward(params, x_in, where)
         else:
             ((y, objective), metrics), residuals = fn(params, x_in), None
         carry = carry.replace(
@@ -163,19 +168,20 @@ class TrainingJobs(EvaluationJobs):
 
     def recompute(self, carry: Carry, t, held):
         """R: the stage again from its input, for the residuals its B reads; nothing sent."""
-        fn, params = self._job_fn(t)
-        _, _, residuals = self.stored_vjp.forward(fn, params, carry.acts[self._at("act_slot", t)])
+        _, params, where = self._job_fn(t)
+        _, _, residuals = self.stored_vjp.forward(params, carry.acts[self._at("act_slot", t)],
+                                                  where)
         return carry, self.rank.zeros_x, {"res": residuals}
 
     def _backward_job(self, carry: Carry, t):
-        """(fn, params, its input, the output cotangent) of the backward at tick t."""
+        """(fn, params, where, its input, the output cotangent) of the backward at tick t."""
         chunk = self._at("chunk", t)
         x_in = carry.acts[self._at("act_slot", t)]
         is_last = self.program.stage_of(chunk, self.rank.me) == self.program.last_stage
         dy = jnp.where(is_last, self.rank.zeros_x, carry.grads_in[self._at("grad_slot", t)])
         dloss = jnp.asarray(self.scale, jnp.float32)  # every stage may add auxiliary terms
-        fn, params = self._job_fn(t)
-        return fn, params, x_in, (dy, dloss)
+        fn, params, where = self._job_fn(t)
+        return fn, params, where, x_in, (dy, dloss)
 
     def _accumulate(self, carry: Carry, t, first=None, shared=None, stage=None, last=None):
         """Add gradients to the accumulators (the chunk's at its index); None: none."""
@@ -193,9 +199,9 @@ class TrainingJobs(EvaluationJobs):
         return jnp.where(is_first, self.rank.zeros_x, dx)
 
     def backward(self, carry: Carry, t, held):
-        fn, params, x_in, cotangent = self._backward_job(carry, t)
+        fn, params, where, x_in, cotangent = self._backward_job(carry, t)
         if self.store:
-            grads, dx = self.stored_vjp.backward(fn, params, x_in, held("res"), cotangent)
+            grads, dx = self.stored_vjp.backward(params, x_in, where, held("res"), cotangent)
         else:  # recompute the stage from its input
             _, vjp, _ = jax.vjp(fn, params, x_in, has_aux=True)
             grads, dx = vjp(cotangent)
@@ -207,10 +213,10 @@ class TrainingJobs(EvaluationJobs):
         """-> (dx, the ends' gradients, the chunk's stash). The ends (embedding, head) are
         differentiated in B with the input: they sit behind the first and last stages'
         conditionals, which W's program would otherwise carry."""
-        fn, (first, shared, chunk_p, last), x_in, cotangent = self._backward_job(carry, t)
+        fn, (first, shared, chunk_p, last), where, x_in, cotangent = self._backward_job(carry, t)
         tangent = None
         if self.from_residuals:
-            full = self.stored_vjp.tangent_map(fn, (first, shared, chunk_p, last), x_in,
+            full = self.stored_vjp.tangent_map((first, shared, chunk_p, last), x_in, where,
                                                held("res"))
             tangent = lambda c, xs: full((xs[1], xs[2], c, xs[3]), xs[0])  # noqa: E731
         (dx, *ends), stash = self.split.input_grad(
