@@ -6,7 +6,7 @@ import pytest
 
 from jaxtron.config.loading import load_config
 from jaxtron.planner import validate
-from jaxtron.planner.cost import bubble_fraction, estimate
+from jaxtron.planner.cost import SAVE_DOTS_OVERHEAD, bubble_fraction, estimate
 from jaxtron.planner.hardware import HARDWARE
 from jaxtron.planner.layout import Layout, apply
 from jaxtron.planner.memory import memory_budget_bytes, microbatch_tokens, predict, state_bytes
@@ -209,3 +209,26 @@ def test_the_search_tries_each_context_parallel_form_where_it_can_run():
               for platform in ("gpu", "cpu")}
     assert remats == {"gpu": {"none", "save_dots", "full", "offload"},
                       "cpu": {"none", "save_dots", "full"}}
+
+
+def test_each_layouts_compute_counts_the_attention_its_own_kernel_repeats():
+    """Under `save_dots` cuDNN's attention runs again in the backward and the ring's does not
+    (it names its output): a layout's FLOPs follow its own sequence axis, whatever the mesh
+    of the config it was planned from. Reference: the FLOPs of the config the layout writes."""
+    from jaxtron.config.platforms import for_platform
+    from jaxtron.training.flops import hardware_flops_per_token
+
+    config = for_platform(load_config("configs/llama3-8b.yaml", ["data.seq_len=8192",
+                                                                 "model.max_seq_len=8192"]),
+                          "cuda")
+    tokens = config.train.batch_size * config.data.seq_len
+    for sequence, kernel_repeats in ((1, True), (2, False)):
+        layout = Layout(data=64 // sequence, sequence=sequence, remat="save_dots")
+        applied = apply(config, layout)
+        compute = estimate(config, layout, HARDWARE["h100"]).compute_s
+        per_device_peak = HARDWARE["h100"].peak_flops * HARDWARE["h100"].efficiency
+        expected = hardware_flops_per_token(applied, "gpu") * tokens / 64 / per_device_peak
+        assert compute == pytest.approx(expected * (1 + SAVE_DOTS_OVERHEAD), rel=1e-9), sequence
+        repeats = hardware_flops_per_token(applied, "gpu") > hardware_flops_per_token(
+            apply(config, Layout(data=64, remat="none")), "gpu")
+        assert repeats == kernel_repeats, sequence

@@ -126,10 +126,11 @@ _FLOPS: dict[tuple, tuple[Config, tuple[float, float]]] = {}
 
 
 def _flops_per_token(config: Config, layout: Layout, platform: str) -> tuple[float, float]:
-    """(model, hardware) FLOPs per token of `config` with the layout's remat, stage count and
-    pipeline recompute; the planner asks for a handful of these per search, for a million
-    layouts, so they are kept."""
-    key = (id(config), layout.remat, layout.stage, layout.recompute, platform)
+    """(model, hardware) FLOPs per token of `config` with the layout's remat, stage count,
+    pipeline recompute and context parallelism (which picks the attention kernel); the
+    planner asks for a handful of these per search, for a million layouts, so they are kept."""
+    key = (id(config), layout.remat, layout.stage, layout.recompute, layout.sequence > 1,
+           layout.context_parallel, platform)
     kept = _FLOPS.get(key)
     if kept is not None and kept[0] is config:
         return kept[1]
@@ -144,6 +145,7 @@ def _flops_per_token(config: Config, layout: Layout, platform: str) -> tuple[flo
 
 def _derive(config: Config, layout: Layout) -> Config:
     model = dataclasses.replace(config.model, remat=layout.remat)
-    mesh = dataclasses.replace(config.mesh, stage=layout.stage)
+    mesh = dataclasses.replace(config.mesh, stage=layout.stage, sequence=layout.sequence,
+                               context_parallel=layout.context_parallel)
     pipeline = dataclasses.replace(config.pipeline, recompute=layout.recompute)
     return dataclasses.replace(config, model=model, mesh=mesh, pipeline=pipeline)

@@ -30,6 +30,10 @@ REMATS = ("none", "save_dots", "full", "offload")  # offload: not on CPUs (no ho
 # What `_meshes` chooses of a layout; `_variants` chooses the rest.
 MESH_FIELDS = ("data", "fsdp", "tensor", "sequence", "expert", "stage", "context_parallel",
                "all_to_all_group")
+VARIANT_FIELDS = ("sequence_parallel", "zero_stage", "remat", "microbatches", "schedule",
+                  "virtual_stages", "grad_accum", "recompute")
+assert {f.name for f in dataclasses.fields(Layout)} == {*MESH_FIELDS, *VARIANT_FIELDS}, (
+    "every Layout field is chosen by _meshes (MESH_FIELDS) or _variants (VARIANT_FIELDS)")
 
 
 @dataclasses.dataclass(frozen=True)
