@@ -125,12 +125,12 @@ def bench_jaxtron(config, devices, warmup, steps, repeats) -> dict:
 
 
 def measured_once(config, devices, warmup, steps, repeats, measured: dict | None) -> dict:
-    """`bench_jaxtron`, measured once per config and devices in this run (`measured` holds
-    them): a comparison's row that is the run's own config is the run's measurement, not a
-    second compile of the same step."""
+    """`bench_jaxtron`, measured once per config, devices and timing settings in this run
+    (`measured` holds them): a comparison's row that is the run's own config is the run's
+    measurement, not a second compile of the same step."""
     if measured is None:
         return bench_jaxtron(config, devices, warmup, steps, repeats)
-    key = repr((config, [d.id for d in devices]))
+    key = repr((config, [d.id for d in devices], warmup, steps, repeats))
     if key not in measured:
         measured[key] = bench_jaxtron(config, devices, warmup, steps, repeats)
     return measured[key]
@@ -193,7 +193,8 @@ def compare_schedules(config: Config, schedules: list[str], warmup: int,
     """Step time and tick-table bubble of each pipeline schedule, measured one after the
     other in this run, and the step the table would take where ranks run side by side
     (`pipeline/timeline.py`), relative to the first. `name:stored` runs a schedule with
-    `pipeline.recompute=false`, `name:recompute` with true."""
+    `pipeline.recompute=false`, `name:recompute` with true. The row that is the run's own
+    config is the run's measurement (`measured_once`)."""
 
     p, pp = config.mesh.stage, config.pipeline
     if p <= 1:

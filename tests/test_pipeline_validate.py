@@ -105,6 +105,16 @@ def test_a_job_listed_twice_is_refused():
         place("1f1b", orders, 2, 2, 1)
 
 
+def test_a_job_outside_the_tables_microbatches_or_stages_is_refused():
+    """Jobs are numbered from (kind, microbatch, virtual stage): one out of range would take
+    another job's number."""
+    for bad in (Action(FORWARD, 2, 0), Action(FORWARD, 0, 1)):  # microbatch 2 of 2; chunk 1 of 1
+        orders = device_orders("1f1b", 2, 2)
+        orders[1].append(bad)
+        with pytest.raises(ValueError, match="outside 2 microbatches and 2 virtual stages"):
+            place("1f1b", orders, 2, 2, 1)
+
+
 @pytest.mark.parametrize("p", [2, 4, 8])
 @pytest.mark.parametrize("m", [8, 16, 32])
 def test_zb_h1_bubble_is_the_papers_and_its_memory_is_1f1bs(p, m):

@@ -105,6 +105,8 @@ class TrainingJobs(EvaluationJobs):
         super().__init__(program, rank)
         self.scale, self.store = scale, store
         self.from_residuals = store or program.table.recomputes  # backwards read residuals
+        # StoredVJP keeps its trace for the whole body: `_stage` may close over what lives as
+        # long as the rank (program, rank), never over a value of one tick.
         self.stored_vjp, self.split = StoredVJP(self._stage), SplitVJP()
 
     def by_kind(self) -> list[Callable]:

@@ -179,6 +179,12 @@ def _job_numbers(columns: np.ndarray, m: int, stages: int) -> list[tuple[int, in
     the previous stage's forward; a whole backward or a B its forward and the next stage's
     same job; an R its forward; a W its B."""
     kind, micro, _, vs = columns
+    outside = (kind < 0) | (kind > RECOMPUTE) | (micro < 0) | (micro >= m) | (vs < 0) | (
+        vs >= stages)
+    if outside.any():  # a number out of range would name another job
+        i = int(np.argmax(outside))
+        raise ValueError(f"action {i} (kind {kind[i]}, microbatch {micro[i]}, virtual stage "
+                         f"{vs[i]}) is outside {m} microbatches and {stages} virtual stages")
     number = lambda k, s: (k * m + micro) * stages + s  # noqa: E731
     none = np.full_like(kind, -1)
     backward = (kind == BACKWARD) | (kind == INPUT_GRAD)
