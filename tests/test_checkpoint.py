@@ -16,16 +16,19 @@ from jaxtron.checkpoint.params import save_params
 from jaxtron.config.loading import config_from_dict
 from jaxtron.training.trainer import Trainer
 
-from conftest import losses_by_step, make_config, metric_records
+from conftest import losses_by_step, make_config, metric_records, run_in_process
 
 BASE = ["--config", "configs/tiny.yaml", "model.num_layers=2", "model.d_model=64",
         "model.mlp_dim=128", "data.seq_len=32", "data.builtin_max_bytes=400000",
         "train.log_every=1", "train.eval_every=0", "train.batch_size=8"]
 
 
+def train_args(run_dir, *extra):
+    return [*BASE, f"train.run_dir={run_dir}", *extra]
+
+
 def train_cmd(run_dir, *extra):
-    return [sys.executable, "-u", "-m", "jaxtron.train", *BASE, f"train.run_dir={run_dir}",
-            *extra]
+    return [sys.executable, "-u", "-m", "jaxtron.train", *train_args(run_dir, *extra)]
 
 
 def run_until(cmd, marker, sig):
@@ -181,16 +184,14 @@ def test_exported_parameters_restore_on_one_device_without_a_mesh(tmp_path):
 
 
 def test_export_cli_and_init_from(tmp_path):
-    run = subprocess.run(train_cmd(tmp_path / "run", "train.steps=3", "optim.warmup_steps=1"),
-                         capture_output=True, text=True, timeout=600)
+    run = run_in_process("jaxtron.train", *train_args(tmp_path / "run", "train.steps=3",
+                                                      "optim.warmup_steps=1"))
     assert run.returncode == 0, run.stderr[-2000:]
-    export = subprocess.run([sys.executable, "-m", "jaxtron.export", "--checkpoint",
-                             str(tmp_path / "run"), "--out", str(tmp_path / "exp")],
-                            capture_output=True, text=True, timeout=600)
+    export = run_in_process("jaxtron.export", "--checkpoint", str(tmp_path / "run"), "--out",
+                            str(tmp_path / "exp"))
     assert export.returncode == 0, export.stderr[-2000:]
-    tuned = subprocess.run(train_cmd(tmp_path / "tune", "train.steps=2",
-                                     f"train.init_from={tmp_path / 'exp'}"),
-                           capture_output=True, text=True, timeout=600)
+    tuned = run_in_process("jaxtron.train", *train_args(tmp_path / "tune", "train.steps=2",
+                                                        f"train.init_from={tmp_path / 'exp'}"))
     assert tuned.returncode == 0, tuned.stderr[-2000:]
     first = losses_by_step(tmp_path / "tune")[1]
     assert first < losses_by_step(tmp_path / "run")[1] - 0.3  # starts from trained weights
@@ -198,9 +199,9 @@ def test_export_cli_and_init_from(tmp_path):
 
 @pytest.mark.parametrize("policy", ["stop", "skip"])
 def test_non_finite_loss_policy(tmp_path, policy):
-    cmd = train_cmd(tmp_path, "train.steps=8", "checkpoint.every=1", "optim.lr=1e8",
-                    "optim.warmup_steps=0", "optim.grad_clip=0", f"train.on_nan={policy}")
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    result = run_in_process("jaxtron.train", *train_args(
+        tmp_path, "train.steps=8", "checkpoint.every=1", "optim.lr=1e8", "optim.warmup_steps=0",
+        "optim.grad_clip=0", f"train.on_nan={policy}"))
     records = metric_records(tmp_path)
     if policy == "stop":
         assert result.returncode == 2, result.stderr[-2000:]

@@ -2,8 +2,6 @@
 evaluation), flat memory, and each stage's share of the parameters and of the traffic."""
 
 import functools
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -29,9 +27,9 @@ from jaxtron.training.trainer import Trainer
 from conftest import (
     USERS_CODEGEN,
     initial_state,
-    long_run_env,
     make_config,
     metric_records,
+    run_in_process,
     with_named_schedule,
 )
 
@@ -421,12 +419,10 @@ def test_stored_residuals_cost_their_slots_and_zb_h1_holds_what_1f1b_without_rec
 
 
 def test_train_cli_with_two_stages(tmp_path):
-    result = subprocess.run(
-        [sys.executable, "-m", "jaxtron.train", "--config", "configs/tiny.yaml",
-         "mesh.stage=2", "mesh.data=4", "pipeline.microbatches=2", "train.steps=20",
-         "train.log_every=10", "train.eval_every=20", f"train.run_dir={tmp_path}",
-         "data.builtin_max_bytes=400000"], capture_output=True, text=True, timeout=600,
-        env=long_run_env())
+    result = run_in_process(
+        "jaxtron.train", "--config", "configs/tiny.yaml", "mesh.stage=2", "mesh.data=4",
+        "pipeline.microbatches=2", "train.steps=20", "train.log_every=10", "train.eval_every=20",
+        f"train.run_dir={tmp_path}", "data.builtin_max_bytes=400000")
     assert result.returncode == 0, result.stderr[-3000:]
     records = metric_records(tmp_path)
     assert records[-1]["loss"] < records[0]["loss"] and "eval_loss" in records[-1]
@@ -437,8 +433,7 @@ def test_train_cli_with_two_stages(tmp_path):
 
 
 def test_show_cli_prints_timeline_and_bubble():
-    result = subprocess.run([sys.executable, "-m", "jaxtron.pipeline.show", "--stages", "4",
-                             "--microbatches", "8", "--schedule", "1f1b"],
-                            capture_output=True, text=True, timeout=120)
+    result = run_in_process("jaxtron.pipeline.show", "--stages", "4", "--microbatches", "8",
+                            "--schedule", "1f1b")
     assert result.returncode == 0
     assert "stage 3:" in result.stdout and "bubble 0.2727" in result.stdout
