@@ -275,6 +275,18 @@ def losses_by_step(run_dir) -> dict:
 _ONE_DEVICE_PARAMS: dict[tuple, object] = {}  # (model, moe, seed) -> host parameters
 
 
+@contextlib.contextmanager
+def kept_in_the_compilation_cache():
+    """Programs compiled inside are kept in the session's compilation cache however quickly
+    they compiled: for a program that each worker would otherwise compile again."""
+    least = jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", least)
+
+
 def initial_state(trainer):
     """The values of `trainer.init_state()` without compiling its initialisation for each
     layout: each model is initialised once on one device and placed onto the trainer's
@@ -284,7 +296,8 @@ def initial_state(trainer):
     key = (c.model, c.moe, c.train.seed)
     if key not in _ONE_DEVICE_PARAMS:
         one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        _ONE_DEVICE_PARAMS[key] = jax.device_get(
-            jax.jit(trainer._initial_params, out_shardings=one_device)())
+        with kept_in_the_compilation_cache():  # the other worker initialises the same models
+            _ONE_DEVICE_PARAMS[key] = jax.device_get(
+                jax.jit(trainer._initial_params, out_shardings=one_device)())
     return jax.device_put(trainer._fresh_state(_ONE_DEVICE_PARAMS[key]),
                           trainer.state_shardings)

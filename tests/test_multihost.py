@@ -66,10 +66,11 @@ def train(run_dir, processes, *extra):
 @functools.cache
 def _one_process_run() -> dict:
     """The run the multi-process and supervised runs are compared with: 60 steps of BASE on
-    this process's 8 devices (what one training process has), once per test process. A run
-    of fewer steps is its prefix: the learning rate is constant after warm-up."""
+    this process's 8 devices (what one training process has), once per test process, without
+    BASE's periodic saves (a save changes no loss: the resumed runs compared with it show
+    that). A run of fewer steps is its prefix: the learning rate is constant after warm-up."""
     run_dir = Path(tempfile.mkdtemp(prefix="one-process-"))
-    run_training(load_config(BASE[1], [*BASE[2:], "train.steps=60",
+    run_training(load_config(BASE[1], [*BASE[2:], "train.steps=60", "checkpoint.every=0",
                                        f"train.run_dir={run_dir}"]))
     return losses_by_step(run_dir)
 
