@@ -24,10 +24,10 @@ from jaxtron.config.flags import above, at_least
 from jaxtron.config.loading import dump_config, load_config, parse_override
 from jaxtron.config.platforms import local_platform
 from jaxtron.errors import ConfigError, exits_on_user_error
-from jaxtron.planner.hardware import HARDWARE
+from jaxtron.planner.hardware import HARDWARE, Hardware
 from jaxtron.planner.layout import Layout, apply
 from jaxtron.planner.memory import memory_budget_bytes
-from jaxtron.planner.search import plan
+from jaxtron.planner.search import Ranking, plan
 from jaxtron.training.flops import measure_cpu_peak
 
 # Every config key a layout sets names the Layout field of the same name (mesh.tensor -> tensor).
@@ -83,8 +83,7 @@ def _check_flags(args) -> None:
                           "of at most 1, e.g. 0.5.")
 
 
-@exits_on_user_error
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m jaxtron.plan",
                                      description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -109,20 +108,47 @@ def main(argv=None) -> int:
     parser.add_argument("--apply", help="write the best layout into this config file")
     parser.add_argument("--compare", help="a given layout to rank, e.g. 'mesh.tensor=8 "
                         "mesh.stage=16 pipeline.microbatches=128'")
-    args = parser.parse_intermixed_args(argv)
-    config = load_config(args.config, args.overrides)
-    _check_flags(args)
+    return parser
+
+
+def _hardware(args) -> Hardware:
+    """The named hardware with the flags' overrides; on simulated CPU devices, this machine's
+    measured rate shared between them."""
     hardware = HARDWARE[args.hardware]
     if hardware.shared_cores and args.peak_tflops is None and local_platform() == "cpu":
-        # this machine's rate, shared by the simulated devices
         hardware = dataclasses.replace(hardware, peak_flops=measure_cpu_peak() / args.devices)
     scaled = lambda value, unit: None if value is None else value * unit  # noqa: E731
     changes = {"peak_flops": scaled(args.peak_tflops, 1e12),
                "intra_bw": scaled(args.intra_bw, 1e9), "inter_bw": scaled(args.inter_bw, 1e9),
                "host_bw": scaled(args.host_bw, 1e9),
                "node_size": args.node_size, "efficiency": args.efficiency}
-    hardware = dataclasses.replace(hardware, **{k: v for k, v in changes.items()
-                                                if v is not None})
+    return dataclasses.replace(hardware, **{k: v for k, v in changes.items() if v is not None})
+
+
+def _print_ranking(ranked: Ranking, best: list, args, hardware: Hardware, budget: int):
+    """The search's summary line, the best layouts, and where `--compare`'s layout ranks."""
+    fitting = len(ranked.fitting)
+    print(f"{ranked.considered} layouts of {args.devices} x {hardware.name} considered, "
+          f"{fitting} fit in {size(budget)} per device; peak {hardware.peak_flops / 1e12:.4g} "
+          f"TFLOP/s x efficiency {hardware.efficiency}, links {hardware.intra_bw / 1e9:.0f} / "
+          f"{hardware.inter_bw / 1e9:.0f} GB/s inside / across nodes of {hardware.node_size}")
+    for i, candidate in enumerate(best, 1):
+        print(format_row(i, candidate))
+    if args.compare:
+        position, mine = ranked.position_of(parse_layout(args.compare, args.devices))
+        if mine is None:
+            print(f"given layout ({args.compare}): no variant fits {size(budget)} per device")
+        else:
+            print(f"given layout ({args.compare}), best variant ranks {position} of {fitting}:")
+            print(format_row(position, mine))
+
+
+@exits_on_user_error
+def main(argv=None) -> int:
+    args = _parser().parse_intermixed_args(argv)
+    config = load_config(args.config, args.overrides)
+    _check_flags(args)
+    hardware = _hardware(args)
     budget = (memory_budget_bytes(args.device_memory) if args.device_memory
               else hardware.memory_bytes)
     platform = args.platform or ("cpu" if hardware.name == "cpu" else "gpu")
@@ -133,21 +159,8 @@ def main(argv=None) -> int:
             f"multiply to {args.devices} and split train.batch_size="
             f"{config.train.batch_size}, the heads, the MLP and the vocabulary evenly; choose "
             "a device count that does, or raise train.batch_size.")
-    best, fitting = ranked.best(config, args.top), len(ranked.fitting)
-    print(f"{ranked.considered} layouts of {args.devices} x {hardware.name} considered, "
-          f"{fitting} fit in {size(budget)} per device; peak {hardware.peak_flops / 1e12:.4g} "
-          f"TFLOP/s x efficiency {hardware.efficiency}, links {hardware.intra_bw / 1e9:.0f} / "
-          f"{hardware.inter_bw / 1e9:.0f} GB/s inside / across nodes of {hardware.node_size}")
-    for i, candidate in enumerate(best, 1):
-        print(format_row(i, candidate))
-    if args.compare:
-        fixed = parse_layout(args.compare, args.devices)
-        position, mine = ranked.position_of(fixed)
-        if mine is None:
-            print(f"given layout ({args.compare}): no variant fits {size(budget)} per device")
-        else:
-            print(f"given layout ({args.compare}), best variant ranks {position} of {fitting}:")
-            print(format_row(position, mine))
+    best = ranked.best(config, args.top)
+    _print_ranking(ranked, best, args, hardware, budget)
     if not best:
         raise ConfigError(f"no layout of {config.model.num_layers}-layer d_model "
                           f"{config.model.d_model} fits {size(budget)} on "
