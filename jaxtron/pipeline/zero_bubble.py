@@ -78,83 +78,93 @@ RECOMPUTED_AHEAD = 2
 def zbv_table(stages: int, microbatches: int, recompute: bool = False) -> Table:
     """ZB-V (the paper's V-shape): two chunks per rank, virtual stage d down the ranks and
     2p-1-d back up (`ticks.virtual_stage`), so rank 0 embeds and computes the loss, and the
-    turn at rank p-1 needs no send. Placed tick by tick: each rank runs a ready B if it has one
-    (the critical path), else a ready forward while it holds fewer than 2p chunk activations
-    (1F1B's memory: p microbatches of a whole stage, a chunk being half of one), else its
-    oldest pending W, else it idles. With `recompute` each B waits for its R (the stage run
-    again, `schedules.py`): an R whose gradient has arrived comes before a forward, and up to
-    `RECOMPUTED_AHEAD` more run in place of a W, ahead of their gradients (each holds a chunk's
-    residuals until its B). `python -m jaxtron.pipeline.show --schedule zbv` draws and checks
-    it."""
+    turn at rank p-1 needs no send. Placed tick by tick (`_VPlacement`): each rank runs a ready
+    B if it has one (the critical path), else a ready forward while it holds fewer than 2p
+    chunk activations (1F1B's memory: p microbatches of a whole stage, a chunk being half of
+    one), else its oldest pending W, else it idles. With `recompute` each B waits for its R
+    (the stage run again, `schedules.py`): an R whose gradient has arrived comes before a
+    forward, and up to `RECOMPUTED_AHEAD` more run in place of a W, ahead of their gradients
+    (each holds a chunk's residuals until its B). `python -m jaxtron.pipeline.show --schedule
+    zbv` draws and checks it."""
     p, m = stages, microbatches
-    last, cap = 2 * p - 1, 2 * p
-    done: dict[tuple[int, int, int], int] = {}
-    placed: list[tuple[int, int, int, int, int, int]] = []  # `assign_slots`' job rows
-    held, waiting_w, recomputed = [0] * p, [[] for _ in range(p)], [0] * p
-    # Forwards on a virtual stage run in microbatch order, so each stage's next is known.
-    # Per rank, in microbatch order, the later stage first, as (mb, earlier?, vs): the chunk
-    # activations held (at most `cap`), those whose gradient has arrived, those not recomputed.
-    # A job placed at a tick is recorded after every rank has picked, so these lists hold
-    # only what earlier ticks did.
-    next_forward = [0] * (2 * p)
-    holding: list[list[tuple[int, bool, int]]] = [[] for _ in range(p)]
-    arrived: list[list[tuple[int, bool, int]]] = [[] for _ in range(p)]
-    unrecomputed: list[list[tuple[int, bool, int]]] = [[] for _ in range(p)]
-    tick = 0
+    placement, tick = _VPlacement(p, m, recompute), 0
+    while len(placement.done) < (4 if recompute else 3) * m * 2 * p:
+        if tick > 20 * (6 * m + p):
+            raise RuntimeError(f"zbv deadlocked at tick {tick}")
+        # every rank picks from what earlier ticks did, then the tick's jobs are recorded
+        for d, job in [(d, placement.pick(d)) for d in range(p)]:
+            if job is not None:
+                placement.record(d, job, tick)
+        tick += 1
+    return assign_slots(np.array(placement.placed, np.int64), tick, p, 2, m, v_shape=True)
 
-    def pick(d: int):
+
+class _VPlacement:
+    """What `zbv_table` has placed so far, per rank. Forwards on a virtual stage run in
+    microbatch order, so each stage's next is known. Per rank, in microbatch order, the later
+    stage first, as (mb, earlier?, vs): the chunk activations held (at most 2p), those whose
+    gradient has arrived, those not recomputed yet."""
+
+    def __init__(self, p: int, m: int, recompute: bool):
+        self.p, self.m, self.recompute = p, m, recompute
+        self.done: dict[tuple[int, int, int], int] = {}  # job -> its tick
+        self.placed: list[tuple[int, int, int, int, int, int]] = []  # `assign_slots`' rows
+        self.held, self.recomputed = [0] * p, [0] * p
+        self.waiting_w: list[list[tuple[int, int]]] = [[] for _ in range(p)]
+        self.next_forward = [0] * (2 * p)
+        self.holding: list[list[tuple[int, bool, int]]] = [[] for _ in range(p)]
+        self.arrived: list[list[tuple[int, bool, int]]] = [[] for _ in range(p)]
+        self.unrecomputed: list[list[tuple[int, bool, int]]] = [[] for _ in range(p)]
+
+    def pick(self, d: int) -> tuple[int, int, int] | None:
+        """Rank d's job at the next tick, (kind, microbatch, virtual stage), or None: idle."""
         awaited = None
-        for key in arrived[d]:
-            if not recompute or key not in unrecomputed[d]:
+        for key in self.arrived[d]:
+            if not self.recompute or key not in self.unrecomputed[d]:
                 return INPUT_GRAD, key[0], key[2]
             awaited = awaited or key
         if awaited:  # a gradient waits for its R
             return RECOMPUTE, awaited[0], awaited[2]
-        if held[d] < cap:
-            for vs in (virtual_stage(d, c, p, True) for c in (1, 0)):  # later stage first
-                mb = next_forward[vs]
-                if mb < m and (not vs or (FORWARD, mb, vs - 1) in done):
+        if self.held[d] < 2 * self.p:
+            for vs in (virtual_stage(d, c, self.p, True) for c in (1, 0)):  # later stage first
+                mb = self.next_forward[vs]
+                if mb < self.m and (not vs or (FORWARD, mb, vs - 1) in self.done):
                     return FORWARD, mb, vs
-        if unrecomputed[d] and recomputed[d] < RECOMPUTED_AHEAD:
-            mb, _, vs = unrecomputed[d][0]
+        if self.unrecomputed[d] and self.recomputed[d] < RECOMPUTED_AHEAD:
+            mb, _, vs = self.unrecomputed[d][0]
             return RECOMPUTE, mb, vs
-        if waiting_w[d]:
-            mb, vs = waiting_w[d][0]
+        if self.waiting_w[d]:
+            mb, vs = self.waiting_w[d][0]
             return WEIGHT_GRAD, mb, vs
         return None
 
-    while len(done) < (4 if recompute else 3) * m * 2 * p:
-        if tick > 20 * (6 * m + p):
-            raise RuntimeError(f"zbv deadlocked at tick {tick}")
-        for d, job in [(d, pick(d)) for d in range(p)]:
-            if job is None:
-                continue
-            kind, mb, vs = job
-            done[job] = tick
-            placed.append((tick, d, kind, mb, owner(vs, p, True)[1], vs))
-            key = (mb, vs < p, vs)
-            if kind == FORWARD:
-                held[d] += 1
-                next_forward[vs] += 1
-                bisect.insort(holding[d], key)
-                if recompute:
-                    bisect.insort(unrecomputed[d], key)
-                if vs == last:  # the loss: its gradient starts here
-                    bisect.insort(arrived[d], key)
-            elif kind == RECOMPUTE:
-                recomputed[d] += 1
-                unrecomputed[d].remove(key)
-            elif kind == INPUT_GRAD:
-                recomputed[d] -= recompute
-                waiting_w[d].append((mb, vs))
-                holding[d].remove(key)
-                arrived[d].remove(key)
-                if vs > 0:  # the previous virtual stage's gradient, usable from next tick
-                    before = vs - 1
-                    bisect.insort(arrived[owner(before, p, True)[0]], (mb, before < p, before))
-            else:
-                waiting_w[d].pop(0)
-                held[d] -= 1
-        tick += 1
-    return assign_slots(np.array(placed, np.int64), tick, p, 2, m, v_shape=True)
+    def record(self, d: int, job: tuple[int, int, int], tick: int) -> None:
+        """Rank d runs `job` at `tick`: what it holds and what it has left to do change."""
+        kind, mb, vs = job
+        p = self.p
+        self.done[job] = tick
+        self.placed.append((tick, d, kind, mb, owner(vs, p, True)[1], vs))
+        key = (mb, vs < p, vs)
+        if kind == FORWARD:
+            self.held[d] += 1
+            self.next_forward[vs] += 1
+            bisect.insort(self.holding[d], key)
+            if self.recompute:
+                bisect.insort(self.unrecomputed[d], key)
+            if vs == 2 * p - 1:  # the loss: its gradient starts here
+                bisect.insort(self.arrived[d], key)
+        elif kind == RECOMPUTE:
+            self.recomputed[d] += 1
+            self.unrecomputed[d].remove(key)
+        elif kind == INPUT_GRAD:
+            self.recomputed[d] -= self.recompute
+            self.waiting_w[d].append((mb, vs))
+            self.holding[d].remove(key)
+            self.arrived[d].remove(key)
+            if vs > 0:  # the previous virtual stage's gradient, usable from next tick
+                before = vs - 1
+                bisect.insort(self.arrived[owner(before, p, True)[0]], (mb, before < p, before))
+        else:
+            self.waiting_w[d].pop(0)
+            self.held[d] -= 1
 
