@@ -294,6 +294,21 @@ def _read_config(hf: dict) -> tuple[str, dict]:
     """-> (architecture, dims); ConfigError for anything our llama does not compute."""
     arch = _arch(hf)
     hf = _older_names(arch, hf)
+    _check_required(arch, hf)
+    rope_from_hf(hf)  # refuses a scaling it cannot map before anything is read
+    for bad, field, why in _settings_refused(arch, hf):
+        if bad:
+            raise ConfigError(f"config.json sets {field}, which jaxtron cannot convert: {why}; "
+                              "convert a model without that setting.")
+    return arch, _dims_from_hf(arch, hf)
+
+
+def _setting(arch: str, hf: dict, key: str):
+    """A config.json field, or the architecture's default where the file leaves it out."""
+    return hf.get(key, DEFAULTS[arch].get(key))
+
+
+def _check_required(arch: str, hf: dict) -> None:
     required = ["hidden_size", "num_hidden_layers", "num_attention_heads",
                 "vocab_size"] + REQUIRED[arch]
     missing = [key for key in required if key not in hf]
@@ -303,27 +318,30 @@ def _read_config(hf: dict) -> tuple[str, dict]:
         raise ConfigError(f"config.json lacks {', '.join(since.get(k, k) for k in missing)}, "
                           f"which {arch} needs; use the config.json saved with the weights, or "
                           "add the field from the model's published config.")
-    get = lambda key: hf.get(key, DEFAULTS[arch].get(key))  # noqa: E731
-    unsupported = [(hf.get("hidden_act", "silu") != "silu", f"hidden_act={hf.get('hidden_act')}",
-                    "the MLP is SwiGLU (silu)"),
-                   (bool(hf.get("attention_bias")), "attention_bias=true",
-                    "llama attention has no biases"),
-                   (bool(hf.get("mlp_bias")), "mlp_bias=true", "llama MLPs have no biases"),
-                   (hf.get("quantization_config") is not None,
-                    f"quantization_config (quant_method="
-                    f"{(hf.get('quantization_config') or {}).get('quant_method')})",
-                    "weights are read in bf16/fp16/fp32; dequantize the checkpoint first")]
-    rope_from_hf(hf)  # refuses a scaling it cannot map before anything is read
+
+
+def _settings_refused(arch: str, hf: dict) -> list[tuple[bool, str, str]]:
+    """(refused?, the field as set, why) for each setting the conversion cannot compute."""
+    get = lambda key: _setting(arch, hf, key)  # noqa: E731
+    refused = [(hf.get("hidden_act", "silu") != "silu", f"hidden_act={hf.get('hidden_act')}",
+                "the MLP is SwiGLU (silu)"),
+               (bool(hf.get("attention_bias")), "attention_bias=true",
+                "llama attention has no biases"),
+               (bool(hf.get("mlp_bias")), "mlp_bias=true", "llama MLPs have no biases"),
+               (hf.get("quantization_config") is not None,
+                f"quantization_config (quant_method="
+                f"{(hf.get('quantization_config') or {}).get('quant_method')})",
+                "weights are read in bf16/fp16/fp32; dequantize the checkpoint first")]
     if arch == QWEN3_MOE:
         step, only = hf.get("decoder_sparse_step", 1), hf.get("mlp_only_layers") or []
-        unsupported += [(step != 1, f"decoder_sparse_step={step}",
-                         "only every layer an MoE layer converts (decoder_sparse_step=1)"),
-                        (bool(only), f"mlp_only_layers={only}",
-                         "only every layer an MoE layer converts (mlp_only_layers=[])")]
+        refused += [(step != 1, f"decoder_sparse_step={step}",
+                     "only every layer an MoE layer converts (decoder_sparse_step=1)"),
+                    (bool(only), f"mlp_only_layers={only}",
+                     "only every layer an MoE layer converts (mlp_only_layers=[])")]
     if arch == DEEPSEEK_V3:
         n, first = hf["num_hidden_layers"], get("first_k_dense_replace")
         k, norm = hf.get("num_experts_per_tok", 8), get("norm_topk_prob")
-        unsupported += [
+        refused += [
             (hf.get("moe_layer_freq", 1) != 1, f"moe_layer_freq={hf.get('moe_layer_freq')}",
              "only every layer an MoE layer converts"),
             (hf.get("scoring_func", "sigmoid") != "sigmoid",
@@ -334,10 +352,11 @@ def _read_config(hf: dict) -> tuple[str, dict]:
              "jaxtron normalises the chosen sigmoid scores exactly when num_experts_per_tok > 1"),
             (get("rms_norm_eps") != 1e-6, f"rms_norm_eps={hf.get('rms_norm_eps')}",
              "HF's latent norms keep eps 1e-6 while jaxtron uses one epsilon for all norms")]
-    for bad, field, why in unsupported:
-        if bad:
-            raise ConfigError(f"config.json sets {field}, which jaxtron cannot convert: {why}; "
-                              "convert a model without that setting.")
+    return refused
+
+
+def _dims_from_hf(arch: str, hf: dict) -> dict:
+    """The model's sizes and features from config.json, by the names `to_config` reads."""
     h = hf["num_attention_heads"]
     g = hf.get("num_key_value_heads") or h
     if arch == DEEPSEEK_V3:
@@ -360,25 +379,30 @@ def _read_config(hf: dict) -> tuple[str, dict]:
     elif arch == QWEN2:
         dims["qkv_bias"] = True
     elif arch == DEEPSEEK_V3:
-        dims["K"] = hf["hidden_size"] // h
-        dims["mla"] = {"Q": get("q_lora_rank") or 0, "C": hf["kv_lora_rank"],
-                       "Kn": hf["qk_nope_head_dim"], "Kr": hf["qk_rope_head_dim"],
-                       "Vh": hf["v_head_dim"], "interleave": bool(get("rope_interleave"))}
-        if get("first_k_dense_replace") < dims["N"]:  # MoE layers after the dense ones
-            dims["first_dense"] = get("first_k_dense_replace")
-            missing = [key for key in ("n_routed_experts", "moe_intermediate_size")
-                       if key not in hf]
-            if missing:
-                raise ConfigError(f"config.json lacks {', '.join(missing)}, which {arch} "
-                                  "needs; use the config.json saved with the weights, or add "
-                                  "the field from the model's published config.")
-            f = hf["moe_intermediate_size"]
-            dims.update(E=hf["n_routed_experts"], F=f, shared=get("n_shared_experts") * f)
-        elif "intermediate_size" not in hf:
-            raise ConfigError(f"config.json lacks intermediate_size, which {arch} needs; use "
-                              "the config.json saved with the weights, or add the field from "
-                              "the model's published config.")
-    return arch, dims
+        dims.update(_deepseek_dims_from_hf(arch, hf, dims["N"]), K=hf["hidden_size"] // h)
+    return dims
+
+
+def _deepseek_dims_from_hf(arch: str, hf: dict, layers: int) -> dict:
+    """DeepSeek-V3's latent attention sizes, and its experts after the dense layers."""
+    get = lambda key: _setting(arch, hf, key)  # noqa: E731
+    dims = {"mla": {"Q": get("q_lora_rank") or 0, "C": hf["kv_lora_rank"],
+                    "Kn": hf["qk_nope_head_dim"], "Kr": hf["qk_rope_head_dim"],
+                    "Vh": hf["v_head_dim"], "interleave": bool(get("rope_interleave"))}}
+    if get("first_k_dense_replace") < layers:  # MoE layers after the dense ones
+        dims["first_dense"] = get("first_k_dense_replace")
+        missing = [key for key in ("n_routed_experts", "moe_intermediate_size") if key not in hf]
+        if missing:
+            raise ConfigError(f"config.json lacks {', '.join(missing)}, which {arch} "
+                              "needs; use the config.json saved with the weights, or add "
+                              "the field from the model's published config.")
+        f = hf["moe_intermediate_size"]
+        dims.update(E=hf["n_routed_experts"], F=f, shared=get("n_shared_experts") * f)
+    elif "intermediate_size" not in hf:
+        raise ConfigError(f"config.json lacks intermediate_size, which {arch} needs; use "
+                          "the config.json saved with the weights, or add the field from "
+                          "the model's published config.")
+    return dims
 
 
 def _check_names(arch: str, expected: set, state_dict: dict) -> None:
