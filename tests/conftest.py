@@ -19,8 +19,8 @@ from pathlib import Path
 # more than halve what is left (three steps: 5.6 -> 2.2 s). The sharding passes are a real
 # run's, so collectives and the numbers every layout is compared on are; buffer sizes and
 # rounding differ a little, so the tests that measure compiled memory, or compare two formulas
-# at round-off, compile with `USERS_CODEGEN`. Subprocesses inherit the flags; CLI runs of many
-# steps drop them (`long_run_env`).
+# at round-off, compile with `USERS_CODEGEN`. Subprocesses inherit the flags; the two CLI runs
+# of many steps that check learning drop them (`long_run_env`).
 FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 # What a test that measures compiled memory, or compares with an oracle at round-off, compiles
 # with instead: XLA:CPU's default emitters, as every run compiles (`compile(compiler_options=)`).

@@ -309,6 +309,7 @@ def test_imported_settings():
     ({**DEEPSEEK, "rope_scaling": {"type": "yarn", "factor": 40, "attention_factor": 1.0}},
      "rope_scaling.attention_factor"),
     ({**DEEPSEEK, "quantization_config": {"quant_method": "fp8"}}, "quantization_config"),
+    ({**DEEPSEEK, "quantization_config": "fp8"}, r"quantization_config \(quant_method=fp8\)"),
     ({**QWEN3, "decoder_sparse_step": 2}, "decoder_sparse_step=2"),
     ({**QWEN3, "mlp_only_layers": [0]}, r"mlp_only_layers=\[0\]"),
     ({k: v for k, v in QWEN3.items() if k != "rope_theta"}

@@ -111,7 +111,8 @@ def test_a_job_outside_the_tables_microbatches_or_stages_is_refused():
     for bad in (Action(FORWARD, 2, 0), Action(FORWARD, 0, 1)):  # microbatch 2 of 2; chunk 1 of 1
         orders = device_orders("1f1b", 2, 2)
         orders[1].append(bad)
-        with pytest.raises(ValueError, match="outside 2 microbatches and 2 virtual stages"):
+        with pytest.raises(ValueError, match=r"device 1's action \d+ .* outside 2 microbatches "
+                                             "and 1 chunks"):
             place("1f1b", orders, 2, 2, 1)
 
 

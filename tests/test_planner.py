@@ -211,6 +211,17 @@ def test_the_search_tries_each_context_parallel_form_where_it_can_run():
                       "cpu": {"none", "save_dots", "full"}}
 
 
+def test_the_search_chooses_every_field_of_a_layout():
+    """`_variants` builds each Layout from the mesh's fields and its own choices: a field in
+    neither would silently keep its default."""
+    import dataclasses
+
+    from jaxtron.planner.search import MESH_FIELDS, VARIANT_FIELDS
+
+    assert sorted(f.name for f in dataclasses.fields(Layout)) == sorted(MESH_FIELDS
+                                                                         + VARIANT_FIELDS)
+
+
 def test_each_layouts_compute_counts_the_attention_its_own_kernel_repeats():
     """Under `save_dots` cuDNN's attention runs again in the backward and the ring's does not
     (it names its output): a layout's FLOPs follow its own sequence axis, whatever the mesh

@@ -323,14 +323,15 @@ def _check_required(arch: str, hf: dict) -> None:
 def _settings_refused(arch: str, hf: dict) -> list[tuple[bool, str, str]]:
     """(refused?, the field as set, why) for each setting the conversion cannot compute."""
     get = lambda key: _setting(arch, hf, key)  # noqa: E731
+    quantized = hf.get("quantization_config")
     refused = [(hf.get("hidden_act", "silu") != "silu", f"hidden_act={hf.get('hidden_act')}",
                 "the MLP is SwiGLU (silu)"),
                (bool(hf.get("attention_bias")), "attention_bias=true",
                 "llama attention has no biases"),
                (bool(hf.get("mlp_bias")), "mlp_bias=true", "llama MLPs have no biases"),
-               (hf.get("quantization_config") is not None,
+               (quantized is not None,
                 f"quantization_config (quant_method="
-                f"{(hf.get('quantization_config') or {}).get('quant_method')})",
+                f"{quantized.get('quant_method') if isinstance(quantized, dict) else quantized})",
                 "weights are read in bf16/fp16/fp32; dequantize the checkpoint first")]
     if arch == QWEN3_MOE:
         step, only = hf.get("decoder_sparse_step", 1), hf.get("mlp_only_layers") or []

@@ -124,6 +124,8 @@ def place(schedule: str, orders: list[list[Action]], p: int, m: int, v: int,
     end are a deadlock. Jobs are numbered (`_job_numbers`) so the walk, over tens of thousands
     of jobs in the planner's tables, touches only ints."""
     columns = [_order_columns(order, d, p, v_shape) for d, order in enumerate(orders)]
+    for d, c in enumerate(columns):
+        _check_in_range(schedule, c, d, m, v)
     numbered = [_job_numbers(c, m, p * v) for c in columns]
     done = [-1] * ((RECOMPUTE + 1) * m * p * v)  # job number -> its tick, -1 not yet placed
     ticks: list[list[int]] = [[] for _ in range(p)]
@@ -173,18 +175,25 @@ def _order_columns(order: list[Action], d: int, p: int, v_shape: bool) -> np.nda
     return np.stack([kind, micro, chunk, vs])
 
 
+def _check_in_range(schedule: str, columns: np.ndarray, d: int, m: int, v: int) -> None:
+    """Refuse an action outside the table's kinds, microbatches or chunks: its job number
+    (`_job_numbers`) would be another job's."""
+    kind, micro, chunk, _ = columns
+    outside = ((kind < 0) | (kind > RECOMPUTE) | (micro < 0) | (micro >= m) | (chunk < 0)
+               | (chunk >= v))
+    if outside.any():
+        i = int(np.argmax(outside))
+        raise ValueError(f"{schedule}: device {d}'s action {i} (kind {kind[i]}, microbatch "
+                         f"{micro[i]}, chunk {chunk[i]}) is outside {m} microbatches and {v} "
+                         "chunks")
+
+
 def _job_numbers(columns: np.ndarray, m: int, stages: int) -> list[tuple[int, int, int]]:
     """(job, first input, second input) per action, each a job number (kind, microbatch,
     virtual stage) -> (kind * m + microbatch) * stages + stage, -1 for none: a forward reads
     the previous stage's forward; a whole backward or a B its forward and the next stage's
     same job; an R its forward; a W its B."""
     kind, micro, _, vs = columns
-    outside = (kind < 0) | (kind > RECOMPUTE) | (micro < 0) | (micro >= m) | (vs < 0) | (
-        vs >= stages)
-    if outside.any():  # a number out of range would name another job
-        i = int(np.argmax(outside))
-        raise ValueError(f"action {i} (kind {kind[i]}, microbatch {micro[i]}, virtual stage "
-                         f"{vs[i]}) is outside {m} microbatches and {stages} virtual stages")
     number = lambda k, s: (k * m + micro) * stages + s  # noqa: E731
     none = np.full_like(kind, -1)
     backward = (kind == BACKWARD) | (kind == INPUT_GRAD)
