@@ -101,9 +101,9 @@ def zbv_table(stages: int, microbatches: int, recompute: bool = False) -> Table:
 
 class _VPlacement:
     """What `zbv_table` has placed so far, per rank. Forwards on a virtual stage run in
-    microbatch order, so each stage's next is known. Per rank, in microbatch order, the later
-    stage first, as (mb, earlier?, vs): the chunk activations held (at most 2p), those whose
-    gradient has arrived, those not recomputed yet."""
+    microbatch order, so each stage's next is known. Per rank: the chunk activations held
+    (at most 2p, from F to W), and, in microbatch order, the later stage first, as
+    (mb, earlier?, vs), the chunks whose gradient has arrived and those not recomputed yet."""
 
     def __init__(self, p: int, m: int, recompute: bool):
         self.p, self.m, self.recompute = p, m, recompute
@@ -112,7 +112,6 @@ class _VPlacement:
         self.held, self.recomputed = [0] * p, [0] * p
         self.waiting_w: list[list[tuple[int, int]]] = [[] for _ in range(p)]
         self.next_forward = [0] * (2 * p)
-        self.holding: list[list[tuple[int, bool, int]]] = [[] for _ in range(p)]
         self.arrived: list[list[tuple[int, bool, int]]] = [[] for _ in range(p)]
         self.unrecomputed: list[list[tuple[int, bool, int]]] = [[] for _ in range(p)]
 
@@ -148,7 +147,6 @@ class _VPlacement:
         if kind == FORWARD:
             self.held[d] += 1
             self.next_forward[vs] += 1
-            bisect.insort(self.holding[d], key)
             if self.recompute:
                 bisect.insort(self.unrecomputed[d], key)
             if vs == 2 * p - 1:  # the loss: its gradient starts here
@@ -159,7 +157,6 @@ class _VPlacement:
         elif kind == INPUT_GRAD:
             self.recomputed[d] -= self.recompute
             self.waiting_w[d].append((mb, vs))
-            self.holding[d].remove(key)
             self.arrived[d].remove(key)
             if vs > 0:  # the previous virtual stage's gradient, usable from next tick
                 before = vs - 1
