@@ -105,15 +105,17 @@ def test_a_lost_process_is_restarted_and_the_losses_are_an_uninterrupted_runs(tm
                                [expected[s] for s in range(1, 17)], rtol=2e-5)
 
 
-def start_supervised(tmp_path, steps, *launch_args):
+def start_supervised(tmp_path, steps, *launch_args, every=2):
     """The losses of a one-process run of `steps` steps, and the supervisor started on 2
-    processes x 4 devices for the same run. -> (reference losses, run dir, supervisor)."""
+    processes x 4 devices for the same run, saving every `every` steps. -> (reference losses,
+    run dir, supervisor)."""
     reference = one_process_losses(steps)
     run_dir = tmp_path / "supervised"
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=FAST_COMPILE_FLAGS)
     command = [sys.executable, "-u", "-m", "jaxtron.launch", "--processes", "2",
                "--cpu-devices", "4", "--heartbeat-timeout-s", "10", *launch_args, "--", *BASE,
-               f"train.steps={steps}", "mesh.dcn_data=2", f"train.run_dir={run_dir}"]
+               f"train.steps={steps}", f"checkpoint.every={every}", "mesh.dcn_data=2",
+               f"train.run_dir={run_dir}"]
     return reference, run_dir, subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
                                                 stderr=subprocess.STDOUT, text=True)
 
@@ -140,9 +142,11 @@ def test_a_process_that_keeps_failing_is_dropped_then_grown_back_at_the_same_bat
     """Process 1 killed twice in a row: the job continues on process 0 alone (data 2 -> 1,
     grad_accum 1 -> 2, same global batch and data stream), grows back to both 1 s later, and
     every step's loss is a one-process run's up to the order of the sums."""
+    # A save every 5 steps, not 2: the kills, the drop and the growth need a few saves, and
+    # each of 30 saves would slow the next step of both processes.
     reference, run_dir, launcher = start_supervised(
         tmp_path, 60, "--max-restarts", "3", "--min-processes", "1", "--drop-after", "2",
-        "--grow-after-s", "1")
+        "--grow-after-s", "1", every=5)
     pids, saved = _kill_after_a_checkpoint(run_dir, launcher)
     _kill_after_a_checkpoint(run_dir, launcher, signal.SIGKILL, pids, saved)
     out, _ = launcher.communicate(timeout=600)
