@@ -16,11 +16,11 @@ messages that must fail it.
 import ast
 import dataclasses
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from conftest import run_in_process
 
 PACKAGE = Path(__file__).parent.parent / "jaxtron"
 USER_ERRORS = {"JaxtronError", "ConfigError", "DataError", "CheckpointError", "LaunchError",
@@ -180,9 +180,10 @@ def test_the_lint_refuses_messages_without_a_real_field_or_fix(text, values, wha
     (["distributed.num_processes=2"], "distributed.process_id"),
 ])
 def test_bad_input_stops_the_cli_with_one_readable_line(args, expected, tmp_path):
-    result = subprocess.run(
-        [sys.executable, "-m", "jaxtron.train", "--config", "configs/tiny.yaml",
-         f"train.run_dir={tmp_path}", *args], capture_output=True, text=True, timeout=300)
+    """The command's `main` as `python -m jaxtron.train` runs it (a process of its own for the
+    same: tests/test_config.py)."""
+    result = run_in_process("jaxtron.train", "--config", "configs/tiny.yaml",
+                            f"train.run_dir={tmp_path}", *args)
     assert result.returncode == 2, result.stderr[-2000:]
     assert result.stderr.startswith("error: ") and expected in result.stderr
     assert "Traceback" not in result.stderr
