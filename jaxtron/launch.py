@@ -59,6 +59,7 @@ from jaxtron.supervisor.elastic import Devices
 from jaxtron.supervisor.local_job import LocalJob
 from jaxtron.supervisor.machine import Supervision
 from jaxtron.supervisor.supervise import supervise
+from jaxtron.training.flops import given_cpu_peak
 
 
 def devices_for_shrinking(args) -> Devices | None:
@@ -140,6 +141,7 @@ def main(argv=None) -> int:
     train_parser.add_argument("overrides", nargs="*")
     known, _ = train_parser.parse_known_args(train_args)
     config = load_config(known.config, known.overrides)  # a bad config: one line, now
+    given_cpu_peak()  # and a bad peak for the processes
     job = LocalJob(args.processes, train_args, config, args.cpu_devices,
                    args.heartbeat_timeout_s, args.min_processes or args.processes,
                    shlex.split(args.launcher) if args.launcher else None,

@@ -28,7 +28,7 @@ from jaxtron.planner.hardware import HARDWARE, Hardware
 from jaxtron.planner.layout import Layout, apply
 from jaxtron.planner.memory import memory_budget_bytes
 from jaxtron.planner.search import Ranking, plan
-from jaxtron.training.flops import measure_cpu_peak
+from jaxtron.training.flops import cpu_peak
 
 # Every config key a layout sets names the Layout field of the same name (mesh.tensor -> tensor).
 LAYOUT_KEYS = {key: key.split(".")[1] for key in Layout(
@@ -113,10 +113,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def _hardware(args) -> Hardware:
     """The named hardware with the flags' overrides; on simulated CPU devices, this machine's
-    measured rate shared between them."""
+    rate (measured, or $JAXTRON_CPU_PEAK_FLOPS) shared between them."""
     hardware = HARDWARE[args.hardware]
     if hardware.shared_cores and args.peak_tflops is None and local_platform() == "cpu":
-        hardware = dataclasses.replace(hardware, peak_flops=measure_cpu_peak() / args.devices)
+        hardware = dataclasses.replace(hardware, peak_flops=cpu_peak()[0] / args.devices)
     scaled = lambda value, unit: None if value is None else value * unit  # noqa: E731
     changes = {"peak_flops": scaled(args.peak_tflops, 1e12),
                "intra_bw": scaled(args.intra_bw, 1e9), "inter_bw": scaled(args.inter_bw, 1e9),

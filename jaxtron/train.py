@@ -28,6 +28,7 @@ from jaxtron.planner import schedule_choice
 from jaxtron.planner.dry_run import dry_run
 from jaxtron.runtime import distributed
 from jaxtron.runtime.host_memory import keep_freed_host_memory
+from jaxtron.training.flops import given_cpu_peak
 from jaxtron.training.loop import run_training
 
 
@@ -61,6 +62,7 @@ def main(argv=None) -> int:
     args = _parser().parse_intermixed_args(argv)
     keep_freed_host_memory()  # before JAX starts its threads
     config = load_config(args.config, args.overrides)
+    given_cpu_peak()  # a bad one: one line now, not after the initialisation
     if args.print_config:
         print(dump_config(config), end="")
         return 0

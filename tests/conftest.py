@@ -1,5 +1,6 @@
 """Eight simulated CPU devices for every test, a per-session corpus cache, one compilation
-cache for every worker of a session, and the longest tests first."""
+cache and one measurement of the CPU peak for every worker of a session, and the longest tests
+first."""
 
 import contextlib
 import dataclasses
@@ -33,6 +34,7 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 from jaxtron.config.loading import config_from_dict
+from jaxtron.training.flops import CPU_PEAK_ENV, measure_cpu_peak
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -53,11 +55,14 @@ def selects_gpu_tests(markexpr: str) -> bool:
 def pytest_configure(config):
     """JAX runs on the simulated CPU devices, in this process and the CLIs it starts, unless
     JAX_PLATFORMS says otherwise or the session selects the GPU tests (`pytest -m gpu`), which
-    then run on the machine's accelerator. No backend has started yet: only the flag is set."""
+    then run on the machine's accelerator. No backend has started yet: only the flag is set
+    (an xdist controller then starts the CPU one to measure the peak for its workers)."""
     if os.environ.get("JAX_PLATFORMS") is None and not selects_gpu_tests(
             config.getoption("markexpr") or ""):
         os.environ["JAX_PLATFORMS"] = "cpu"
         jax.config.update("jax_platforms", "cpu")
+    if config.getoption("numprocesses", None) and "PYTEST_XDIST_WORKER" not in os.environ:
+        one_cpu_peak_for_the_session()  # before the workers start: they inherit it
     if config.getoption("--compile-times"):
         jax.monitoring.register_event_duration_secs_listener(_COMPILE_SECONDS.add)
 
@@ -89,6 +94,22 @@ def compilation_cache(tmp_path_factory):
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     jax.config.update("jax_compilation_cache_max_size", 8 * 2**30)
     return path
+
+
+def one_cpu_peak_for_the_session() -> None:
+    """One measurement of the machine's CPU peak for every process of the session (the xdist
+    workers and the CLIs they start), as `jaxtron.launch` gives its processes one: measuring
+    takes 0.6 s of both cores in each, and processes measuring at once see a share of the
+    cores. tests/test_flops.py checks the measurement itself."""
+    if os.environ.get("JAX_PLATFORMS") == "cpu" and CPU_PEAK_ENV not in os.environ:
+        os.environ[CPU_PEAK_ENV] = repr(measure_cpu_peak())
+
+
+@pytest.fixture(scope="session", autouse=True)
+def cpu_peak(compilation_cache):
+    """Without xdist, measured here: after the compilation cache is set, since JAX decides at
+    its first compile whether a process uses one."""
+    one_cpu_peak_for_the_session()
 
 
 DURATIONS = Path(__file__).parent / "durations.json"

@@ -17,6 +17,7 @@ import sys
 from jaxtron.config.schema import Config
 from jaxtron.supervisor.elastic import Devices, shrink_within
 from jaxtron.supervisor.slurm_step import FailedNodes, step_options
+from jaxtron.training.flops import CPU_PEAK_ENV, measure_cpu_peak_for_children
 
 
 def free_port() -> int:
@@ -44,6 +45,7 @@ class LocalJob:
         self.overrides: list[str] = []
         self.excluded: list[str] = []  # nodes left out of the launcher's steps
         self._step_errors: FailedNodes | None = None
+        self._cpu_peak: float | None = None
 
     def blame(self, rank: int) -> int | str | None:
         """Who caused a failure of child `rank`: that process, or under a launcher the node
@@ -80,35 +82,32 @@ class LocalJob:
                                     stderr=subprocess.PIPE, text=True)
             self._step_errors = FailedNodes(step.stderr)
             return [step]
-        processes, cpu_devices = self.processes, self.cpu_devices
         port = free_port()
-        children = []
-        for rank in range(processes):
-            env = dict(os.environ)
-            if cpu_devices:
-                env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", ""),
-                                             f"--xla_force_host_platform_device_count="
-                                             f"{cpu_devices}"]).strip()
-            if processes > 1:
-                env.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
-                           JAX_NUM_PROCESSES=str(processes), JAX_PROCESS_ID=str(rank))
-            children.append(subprocess.Popen(self._command(restart), env=env))
-        return children
+        return [subprocess.Popen(self._command(restart), env=self.environment(rank, port))
+                for rank in range(self.processes)]
+
+    def environment(self, rank: int, port: int) -> dict[str, str]:
+        """Process `rank`'s environment: its simulated CPU devices, this machine's CPU peak
+        (measured once, here, for every process and restart: `training.flops.cpu_peak`) and
+        its place in the job."""
+        env = dict(os.environ)
+        if self.cpu_devices:
+            env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", ""),
+                                         f"--xla_force_host_platform_device_count="
+                                         f"{self.cpu_devices}"]).strip()
+            if CPU_PEAK_ENV not in env:
+                if self._cpu_peak is None:
+                    self._cpu_peak = measure_cpu_peak_for_children()
+                env[CPU_PEAK_ENV] = repr(self._cpu_peak)
+        if self.processes > 1:
+            env.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+                       JAX_NUM_PROCESSES=str(self.processes), JAX_PROCESS_ID=str(rank))
+        return env
 
     def _command(self, restart: bool) -> list[str]:
         return [sys.executable, "-u", "-m", "jaxtron.train", *self.train_args,
                 f"distributed.heartbeat_timeout_s={self.heartbeat_timeout_s}",
                 *(["train.resume=auto"] if restart else []), *self.overrides]
-
-
-def _stop(children: list[subprocess.Popen]) -> None:
-    """Kill what is left of a failed job: its state is lost anyway, and a polite stop would
-    wait on the dead peer (the checkpoint is the recovery point)."""
-    for child in children:
-        if child.poll() is None:
-            child.kill()
-    for child in children:
-        child.wait()
 
 
 def stop(children: list[subprocess.Popen]) -> None:

@@ -18,6 +18,8 @@ average (w (w + 1) / 2 + (L - w) w) / L, at most w, in place of (L + 1) / 2.
 from __future__ import annotations
 
 import functools
+import math
+import os
 import time
 
 import jax
@@ -26,6 +28,7 @@ import jax.numpy as jnp
 from jaxtron.config.platforms import local_platform
 from jaxtron.config.schema import ModelConfig, MoEConfig
 from jaxtron.kernels.choice import Kernel, configured_kernel
+from jaxtron.runtime.distributed import LaunchError
 
 # Dense bf16 tensor-core peaks per device, FLOP/s (vendor datasheets, without sparsity).
 PEAK_FLOPS_BY_KIND = {
@@ -91,11 +94,48 @@ def measure_cpu_peak(size: int = 1024, seconds: float = 0.5) -> float:
     return 2 * size**3 / fastest
 
 
+def measure_cpu_peak_for_children() -> float:
+    """`measure_cpu_peak` in a process that runs none of its own work on JAX (a supervisor): it
+    starts only JAX's CPU backend, so no accelerator memory is taken from its children."""
+    jax.config.update("jax_platforms", "cpu")
+    return measure_cpu_peak()
+
+
+CPU_PEAK_ENV = "JAXTRON_CPU_PEAK_FLOPS"
+
+
+def cpu_peak() -> tuple[float, str]:
+    """This machine's fp32 FLOP/s and where the number came from: $JAXTRON_CPU_PEAK_FLOPS when
+    set, else measured in this process. `python -m jaxtron.launch` measures once and sets it for
+    the CPU processes it starts: measuring at the same moment on the same cores, each would see
+    a share of the machine and report its MFU too high, and a restart would measure again."""
+    given = given_cpu_peak()
+    if given is None:
+        return measure_cpu_peak(), "measured fp32 matmul, whole machine"
+    return given, f"fp32 matmul, whole machine, from {CPU_PEAK_ENV}"
+
+
+def given_cpu_peak() -> float | None:
+    """$JAXTRON_CPU_PEAK_FLOPS, checked (the commands check it at start)."""
+    given = os.environ.get(CPU_PEAK_ENV)
+    if given is None:
+        return None
+    try:
+        value = float(given)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise LaunchError(f"the environment variable {CPU_PEAK_ENV}={given!r} is not a rate: set "
+                          f"it to this machine's fp32 FLOP/s, e.g. {CPU_PEAK_ENV}=1.8e11, or "
+                          "unset it to measure the machine at start.")
+    return value
+
+
 def peak_flops(devices) -> tuple[float, str]:
     """Total peak FLOP/s of `devices` and where the number came from."""
     kind = devices[0].device_kind
     if devices[0].platform == "cpu":
-        return measure_cpu_peak(), "measured fp32 matmul, whole machine"
+        return cpu_peak()
     for name, flops in PEAK_FLOPS_BY_KIND.items():
         if name.lower() in kind.lower():
             return flops * len(devices), f"{name} datasheet bf16 x {len(devices)}"
