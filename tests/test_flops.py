@@ -110,6 +110,10 @@ def test_the_supervisor_measures_once_for_every_cpu_process_it_starts(monkeypatc
     monkeypatch.setenv(CPU_PEAK_ENV, "1.5e11")  # given: passed on as it is
     assert job.environment(0, 1234)[CPU_PEAK_ENV] == "1.5e11"
     monkeypatch.delenv(CPU_PEAK_ENV)
+    one_device_each = LocalJob(2, [], make_config(), cpu_devices=None, heartbeat_timeout_s=10,
+                               min_processes=2)
+    assert float(one_device_each.environment(0, 1234)[CPU_PEAK_ENV]) > 0  # JAX_PLATFORMS=cpu
+    monkeypatch.setenv("JAX_PLATFORMS", "cuda")  # processes on accelerators: none measured
     on_accelerators = LocalJob(2, [], make_config(), cpu_devices=None, heartbeat_timeout_s=10,
                                min_processes=2)
     assert CPU_PEAK_ENV not in on_accelerators.environment(0, 1234)

@@ -95,10 +95,11 @@ class LocalJob:
             env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", ""),
                                          f"--xla_force_host_platform_device_count="
                                          f"{self.cpu_devices}"]).strip()
-            if CPU_PEAK_ENV not in env:
-                if self._cpu_peak is None:
-                    self._cpu_peak = measure_cpu_peak_for_children()
-                env[CPU_PEAK_ENV] = repr(self._cpu_peak)
+        on_cpu = self.cpu_devices or env.get("JAX_PLATFORMS") == "cpu"
+        if on_cpu and CPU_PEAK_ENV not in env:
+            if self._cpu_peak is None:
+                self._cpu_peak = measure_cpu_peak_for_children()
+            env[CPU_PEAK_ENV] = repr(self._cpu_peak)
         if self.processes > 1:
             env.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
                        JAX_NUM_PROCESSES=str(self.processes), JAX_PROCESS_ID=str(rank))
