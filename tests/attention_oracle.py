@@ -7,8 +7,15 @@ tokens attend to a cache of earlier ones. Top-left alignment (j <= i) is the oth
 the tests show the oracle tells the two apart.
 """
 
+import jax
 import numpy as np
 import pytest
+
+from jaxtron.kernels import reference
+
+# jaxtron's reference attention, compiled once per shape: run op by op, its forward and gradient
+# would compile a hundred one-operation programs for each new shape.
+reference_attention = jax.jit(reference.reference_attention, static_argnames=("causal", "window"))
 
 
 def bottom_right_causal(q_len: int, kv_len: int):

@@ -19,7 +19,6 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxtron.config.platforms import building_for
 from jaxtron.errors import ConfigError
 from jaxtron.kernels.attention import attention
-from jaxtron.kernels.reference import reference_attention
 from jaxtron.planner.layout import layout_of
 from jaxtron.planner.traffic import communication
 from jaxtron.sharding.collectives import count_collectives
@@ -27,6 +26,7 @@ from jaxtron.sharding.context_parallel import ALL_TO_ALL, context_parallel
 from jaxtron.sharding.rules import activation_rules, activation_sharding
 from jaxtron.training.trainer import Trainer
 
+from attention_oracle import reference_attention
 from conftest import make_config
 from test_ring import assert_same_loss_and_grads, packed_segment_ids, qkv, sequence_mesh
 

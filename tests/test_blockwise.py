@@ -28,8 +28,11 @@ def test_values_and_gradients_equal_the_reference(heads, kv_heads, length, chunk
     d_out = jax.random.normal(keys[3], q.shape)
 
     def run(fn):
-        out, vjp = jax.vjp(lambda q, k, v: fn(q, k, v), q, k, v)
-        return out, vjp(d_out)
+        @jax.jit
+        def value_and_vjp(q, k, v, d_out):
+            out, vjp = jax.vjp(fn, q, k, v)
+            return out, vjp(d_out)
+        return value_and_vjp(q, k, v, d_out)
 
     expected = run(lambda q, k, v: reference_attention(q, k, v, causal=True, segment_ids=seg))
     got = run(lambda q, k, v: blockwise_causal_attention(q, k, v, segment_ids=seg,
@@ -62,6 +65,7 @@ def test_bf16_matches_the_fp32_reference():
     k, v = (jax.random.normal(x, (2, 128, 2, 16)) for x in keys[1:3])
     d_out = jax.random.normal(keys[3], q.shape)
 
+    @jax.jit(static_argnums=0)
     def run(fn, *args):
         out, vjp = jax.vjp(fn, *args)
         return out, vjp(d_out.astype(out.dtype))

@@ -15,12 +15,11 @@ from jaxtron.data.pipeline import open_dataset, train_batches
 from jaxtron.kernels.attention import attention
 from jaxtron.kernels.flash import flash_attention
 from jaxtron.kernels.flash_backward import Tiling, k_block_end, q_block_start
-from jaxtron.kernels.reference import reference_attention
 from jaxtron.sharding.mesh import build_mesh
 from jaxtron.sharding.rules import activation_rules, activation_sharding
 from jaxtron.training.trainer import Trainer
 
-from attention_oracle import assert_bottom_right_not_top_left
+from attention_oracle import assert_bottom_right_not_top_left, reference_attention
 from conftest import make_config
 
 

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from jaxtron.kernels.attention import attention
-from jaxtron.kernels.reference import reference_attention
+
+from attention_oracle import reference_attention
 
 
 def naive_attention(q, k, v, causal):

@@ -14,9 +14,9 @@ import pytest
 from jaxtron.kernels.attention import attention
 from jaxtron.kernels.choice import Kernel, configured_kernel
 from jaxtron.kernels.flash import flash_attention
-from jaxtron.kernels.reference import reference_attention
 from jaxtron.training.trainer import Trainer
 
+from attention_oracle import reference_attention
 from conftest import make_config
 
 TRITON = "__gpu$xla.gpu.triton"

@@ -13,7 +13,6 @@ from jaxtron.data.pipeline import open_dataset, train_batches
 from jaxtron.errors import ConfigError
 from jaxtron.kernels.attention import attention
 from jaxtron.kernels.blockwise import blockwise_causal_attention
-from jaxtron.kernels.reference import reference_attention
 from jaxtron.models.generation import decode_step, generate, prefill
 from jaxtron.models.mla import MLAttention
 from jaxtron.models.token_positions import TokenPositions
@@ -21,6 +20,7 @@ from jaxtron.models.transformer import Transformer
 from jaxtron.training.flops import matmul_params, training_flops_per_token
 from jaxtron.training.trainer import Trainer
 
+from attention_oracle import reference_attention
 from conftest import initial_state, make_config
 
 # Kn = 16, P = 8 (q/k head dim 24), V = 12: values narrower than keys, as in DeepSeek-V3.

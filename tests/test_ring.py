@@ -10,13 +10,13 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 from jaxtron.config.platforms import building_for
 from jaxtron.kernels import ring
 from jaxtron.kernels.attention import attention
-from jaxtron.kernels.reference import reference_attention
 from jaxtron.kernels.ring import from_zigzag, ring_attention, to_zigzag
 from jaxtron.sharding.collectives import count_collectives
 from jaxtron.sharding.rules import activation_rules, activation_sharding
 from jaxtron.sharding.zigzag import zigzag_order, zigzag_ordered
 from jaxtron.training.trainer import Trainer
 
+from attention_oracle import reference_attention
 from conftest import USERS_CODEGEN, initial_state, make_config
 
 

@@ -32,14 +32,13 @@ from jaxtron.kernels.attention import Kernel, _run, attention
 from jaxtron.kernels.blockwise import blockwise_causal_attention, chunk_count
 from jaxtron.kernels.context_gather import gathered_context_attention
 from jaxtron.kernels.flash import flash_attention
-from jaxtron.kernels.reference import reference_attention
 from jaxtron.kernels.ring import ring_attention, to_zigzag
 from jaxtron.kernels.splash import splash_attention
 from jaxtron.models.generation import decode_step, prefill
 from jaxtron.models.transformer import Transformer
 from jaxtron.training.flops import attended_keys, training_flops_per_token
 
-from attention_oracle import assert_matches, attention_and_grads
+from attention_oracle import assert_matches, attention_and_grads, reference_attention
 from conftest import make_config
 from test_ring import assert_same_loss_and_grads, packed_segment_ids, sequence_mesh
 

@@ -13,10 +13,9 @@ import numpy as np
 import pytest
 from test_flash import inputs, output_and_grads, packed
 
-from jaxtron.kernels.reference import reference_attention
 from jaxtron.kernels.splash import splash_attention
 
-from attention_oracle import assert_bottom_right_not_top_left
+from attention_oracle import assert_bottom_right_not_top_left, reference_attention
 
 
 def check(q, k, v, cotangent, *, causal, segment_ids=None, tol=1e-5, max_block=128):
