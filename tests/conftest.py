@@ -17,12 +17,15 @@ from pathlib import Path
 # new programs (XLA's backend compile is about 40% of the suite's CPU time, tracing and lowering
 # another 22%: `make test ARGS=--compile-times`). LLVM's optimisation level 0 cuts XLA:CPU's
 # compile time by about 40%, and XLA:CPU's elemental emitters in place of its fusion emitters
-# more than halve what is left (three steps: 5.6 -> 2.2 s). The sharding passes are a real
-# run's, so collectives and the numbers every layout is compared on are; buffer sizes and
-# rounding differ a little, so the tests that measure compiled memory, or compare two formulas
-# at round-off, compile with `USERS_CODEGEN`. Subprocesses inherit the flags; the two CLI runs
-# of many steps that check learning drop them (`long_run_env`).
-FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+# more than halve what is left (three steps: 5.6 -> 2.2 s). Code generation in one piece, not
+# split for parallel threads, takes 5% more off the CPU time (the two workers already keep both
+# cores busy). The sharding passes are a real run's, so collectives and the numbers every
+# layout is compared on are; buffer sizes and rounding differ a little, so the tests that
+# measure compiled memory, or compare two formulas at round-off, compile with `USERS_CODEGEN`.
+# Subprocesses inherit the flags; the two CLI runs of many steps that check learning drop them
+# (`long_run_env`).
+FAST_COMPILE_FLAGS = ("--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false "
+                      "--xla_cpu_parallel_codegen_split_count=1")
 # What a test that measures compiled memory, or compares with an oracle at round-off, compiles
 # with instead: XLA:CPU's default emitters, as every run compiles (`compile(compiler_options=)`).
 USERS_CODEGEN = {"xla_cpu_use_fusion_emitters": True}
