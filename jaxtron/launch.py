@@ -52,7 +52,7 @@ from pathlib import Path
 
 from jaxtron.config.flags import above, at_least
 from jaxtron.config.loading import load_config
-from jaxtron.errors import ConfigError, exits_on_user_error
+from jaxtron.errors import ConfigError, exit_command, exits_on_user_error
 from jaxtron.planner.hardware import HARDWARE
 from jaxtron.planner.memory import memory_budget_bytes
 from jaxtron.supervisor.elastic import Devices
@@ -155,4 +155,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_command(main())
