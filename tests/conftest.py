@@ -249,7 +249,7 @@ def first_batch_objective_metrics_grads(config, devices: int):
     with trainer._tracing():
         (objective, metrics), grads = trainer._grads(state.params, batch)
     return (float(objective), jax.device_get(metrics),
-            jax.device_get(trainer.to_model_params(grads)))
+            trainer.to_model_params(jax.device_get(grads)))
 
 
 _ONE_DEVICE_REFERENCES: dict[str, tuple] = {}  # repr(config) -> its first batch on one device

@@ -87,7 +87,7 @@ def test_sharded_muon_equals_one_device(mesh):
         tokens = np.random.default_rng(1).integers(0, 256, (8, 33)).astype(np.int32)
         for _ in range(3):
             state, metrics = trainer.step(state, trainer.put_batch({"tokens": tokens}))
-        return float(metrics["loss"]), jax.device_get(trainer.to_model_params(state.params))
+        return float(metrics["loss"]), trainer.to_model_params(jax.device_get(state.params))
 
     pipeline = {"microbatches": 2} if mesh.get("stage", 1) > 1 else None
     want = train({"data": 1}, 1) if pipeline is None else None
@@ -98,7 +98,7 @@ def test_sharded_muon_equals_one_device(mesh):
         tokens = np.random.default_rng(1).integers(0, 256, (8, 33)).astype(np.int32)
         for _ in range(3):
             state, metrics = trainer.step(state, trainer.put_batch({"tokens": tokens}))
-        want = float(metrics["loss"]), jax.device_get(trainer.to_model_params(state.params))
+        want = float(metrics["loss"]), trainer.to_model_params(jax.device_get(state.params))
     got = train(mesh, int(np.prod(list(mesh.values()))), pipeline)
     np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
     for a, b in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1]), strict=True):

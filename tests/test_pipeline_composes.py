@@ -85,7 +85,7 @@ def test_context_parallel_pipeline_equals_one_device(packed):
         state = initial_state(trainer)
         batch = trainer.put_batch(next(train_batches(config, open_dataset(config))))
         objective, grads = trainer.loss_and_grads(state.params, batch)
-        return float(objective), jax.device_get(trainer.to_model_params(grads))
+        return float(objective), trainer.to_model_params(jax.device_get(grads))
 
     want = run({"data": 1}, optim={"grad_accum": 2})
     got = run({"stage": 2, "sequence": 2, "data": 2}, pipeline={"microbatches": 2}, devices=8)
