@@ -140,9 +140,9 @@ def run(layout, model=None, steps=1):
         if step == 0:
             loss, grads = objective, applied
         losses.append(float(metrics["loss"]))
-        params_after.append(jax.device_get(nnx.to_pure_dict(as_model(state.params))))
+        params_after.append(nnx.to_pure_dict(as_model(jax.device_get(state.params))))
         batch = trainer.put_batch(next(batches))
-    return (float(loss), jax.device_get(nnx.to_pure_dict(as_model(grads))), losses,
+    return (float(loss), nnx.to_pure_dict(as_model(jax.device_get(grads))), losses,
             params_after, eval_loss)
 
 
