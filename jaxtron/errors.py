@@ -46,12 +46,11 @@ def _let_background_threads_finish(timeout_s: float = 5.0) -> None:
     end: give them a few seconds, so that the error line comes after it, not inside it. Set
     `from_background` on an error raised for such a failure."""
     deadline = time.monotonic() + timeout_s
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            try:
-                thread.join(max(0.0, deadline - time.monotonic()))
-            except Exception:  # Orbax's threads raise their own timeout from join
-                pass
+    for thread in _threads_an_exit_waits_for():
+        try:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        except Exception:  # Orbax's threads raise their own timeout from join
+            pass
 
 
 def exit_command(code: int):
@@ -69,7 +68,7 @@ def exit_command(code: int):
         threading.excepthook = lambda args: None
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stderr.fileno())
-        if _a_thread_still_runs():
+        if _threads_an_exit_waits_for():
             # A failed background write's thread would keep the interpreter from exiting:
             # what it held is lost anyway, and the error line says where the last good
             # checkpoint is.
@@ -84,7 +83,7 @@ def _exit_without_teardown(code: int):
     runs: the exit handlers (`jax.distributed`'s shutdown, logging's flush), then stdout and
     stderr are flushed. While a non-daemon thread still runs, the interpreter's exit waits for
     it as usual."""
-    if _a_thread_still_runs():
+    if _threads_an_exit_waits_for():
         sys.exit(code)
     atexit._run_exitfuncs()
     sys.stdout.flush()
@@ -92,7 +91,7 @@ def _exit_without_teardown(code: int):
     os._exit(code)
 
 
-def _a_thread_still_runs() -> bool:
-    """Whether a thread the interpreter's exit would wait for (not a daemon) is still alive."""
-    return any(t.is_alive() and not t.daemon for t in threading.enumerate()
-               if t is not threading.current_thread())
+def _threads_an_exit_waits_for() -> list[threading.Thread]:
+    """The threads the interpreter's exit would wait for: alive, not daemons, not this one."""
+    return [t for t in threading.enumerate()
+            if t is not threading.current_thread() and not t.daemon and t.is_alive()]

@@ -22,8 +22,9 @@ from pathlib import Path
 # cores busy). The sharding passes are a real run's, so collectives and the numbers every
 # layout is compared on are; buffer sizes and rounding differ, so the tests that measure
 # compiled memory, or compare two formulas at round-off, compile with `USERS_CODEGEN`. Most
-# layouts' memory is within 0.01% either way, but not all: interleaved and ZB-V steps hold a
-# tenth fewer temporaries under these flags (tests/test_pipeline.py: `temp_bytes`, 4 stages).
+# layouts' memory is within 0.01% either way, but not all: under these flags interleaved and
+# ZB-V steps hold 1.18 MB fewer temporaries, a tenth and a twentieth of theirs
+# (tests/test_pipeline.py: `temp_bytes`, 4 stages).
 # Subprocesses inherit the flags; the two CLI runs of many steps that check learning drop them
 # (`long_run_env`).
 FAST_COMPILE_FLAGS = ("--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false "
