@@ -52,7 +52,6 @@ from jaxtron.kernels.flash import flash_attention
 from jaxtron.kernels.per_device import per_device
 from jaxtron.kernels.reference import check_window, reference_attention
 from jaxtron.kernels.ring import Ring, ring_attention, ring_on_this_device
-from jaxtron.kernels.splash import splash_attention
 from jaxtron.sharding.context_parallel import (
     ALL_TO_ALL,
     HYBRID,
@@ -149,9 +148,14 @@ def _run(kernel: Kernel, q, k, v, segment_ids, *, causal: bool, mesh, window=Non
         return jax.nn.dot_product_attention(
             q, k, v, is_causal=causal, implementation="cudnn",
             local_window_size=None if window is None else (window - 1, 0))
-    pallas = {Kernel.TRITON: functools.partial(flash_attention, interpret=False),
-              Kernel.INTERPRET: functools.partial(flash_attention, interpret=True),
-              Kernel.SPLASH: splash_attention}[kernel]
+    if kernel is Kernel.SPLASH:
+        # JAX's TPU kernels load Mosaic's TPU lowering, a tenth of a second of every process's
+        # start: only a step that runs splash imports them.
+        from jaxtron.kernels.splash import splash_attention
+        pallas = splash_attention
+    else:
+        pallas = {Kernel.TRITON: functools.partial(flash_attention, interpret=False),
+                  Kernel.INTERPRET: functools.partial(flash_attention, interpret=True)}[kernel]
 
     def local(q, k, v, segment_ids):
         return pallas(q, k, v, causal=causal, segment_ids=segment_ids, window=window)
