@@ -212,14 +212,21 @@ def test_the_search_tries_each_context_parallel_form_where_it_can_run():
 
 
 def test_the_search_chooses_every_field_of_a_layout():
-    """`_variants` builds each Layout from the mesh's fields and its own choices: a field in
-    neither would silently keep its default."""
+    """`_variants` builds each Layout from the mesh's fields and its own choices, filling the
+    instance at once (`Layout.of_fields`): a field in neither would be missing. A layout so
+    built equals, hashes and prints as the constructor's."""
     import dataclasses
 
     from jaxtron.planner.search import MESH_FIELDS, VARIANT_FIELDS
 
     assert sorted(f.name for f in dataclasses.fields(Layout)) == sorted(MESH_FIELDS
                                                                          + VARIANT_FIELDS)
+    built = Layout(data=2, tensor=4, stage=2, sequence_parallel=True, zero_stage=1,
+                   remat="full", microbatches=4, schedule="zbv", virtual_stages=2,
+                   recompute=False)
+    filled = Layout.of_fields(dict(reversed(dataclasses.asdict(built).items())))
+    assert filled == built and hash(filled) == hash(built) and repr(filled) == repr(built)
+    assert dataclasses.replace(filled, data=1) == dataclasses.replace(built, data=1)
 
 
 def test_each_layouts_compute_counts_the_attention_its_own_kernel_repeats():

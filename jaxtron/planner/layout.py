@@ -27,6 +27,15 @@ class Layout:
     context_parallel: str = "ring"  # with sequence > 1: ring, all_to_all or hybrid
     all_to_all_group: int = 1       # hybrid: ranks of sequence in each all-to-all
 
+    @classmethod
+    def of_fields(cls, fields: dict) -> Layout:
+        """The layout with every one of `fields`, which names each field. The search builds
+        half a million: the frozen dataclass's `__init__` sets each field through
+        `object.__setattr__`, a tenth of a search's time, where this fills the dict at once."""
+        layout = object.__new__(cls)
+        layout.__dict__.update(fields)
+        return layout
+
     @property
     def devices(self) -> int:
         return self.data * self.fsdp * self.tensor * self.sequence * self.expert * self.stage

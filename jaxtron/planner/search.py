@@ -3,13 +3,13 @@
 The search covers every factorisation of the devices into stage x data x fsdp x expert x
 sequence x tensor (tensor within one node and dividing the heads, MLP and vocabulary; expert
 dividing the experts; sequence only for sequences of 4k tokens or more, as a ring or by
-all-to-all), sequence parallelism
-with tensor > 1, ZeRO 0/1/2 with data > 1, remat none/save_dots/full (and offload to host
-memory, not on CPUs), pipeline microbatches
-p, 2p, 4p, 8p (and the smallest count >= p dividing the batch; multiples of p when
-interleaved) with 1F1B, GPipe, zero-bubble ZB-H1 and ZB-V and interleaved (2 chunks) schedules, and gradient accumulation to bring the microbatch down
-(to one sequence) when nothing else fits. Each candidate passes the same checks a run does
-(`config.checks.validate` and `check_layout`) before it is shown.
+all-to-all), sequence parallelism with tensor > 1, ZeRO 0/1/2 with data > 1, remat
+none/save_dots/full (and offload to host memory, not on CPUs), pipeline microbatches p, 2p, 4p,
+8p (and the smallest count >= p dividing the batch; multiples of p when interleaved) with 1F1B,
+GPipe, zero-bubble ZB-H1 and ZB-V and interleaved (2 chunks) schedules, and gradient
+accumulation to bring the microbatch down (to one sequence) when nothing else fits. Each
+candidate passes the same checks a run does (`config.checks.validate` and `check_layout`) before
+it is shown.
 """
 
 from __future__ import annotations
@@ -130,17 +130,16 @@ def _variants(config: Config, mesh: Layout, remats: tuple[str, ...]):
                 if mb % mesh.stage == 0:
                     pipelines.append((mb, "interleaved", 2))
     recomputes = (True, False) if mesh.stage > 1 else (True,)
-    # The mesh's own fields, passed whole to each variant's constructor (half the time of
-    # `dataclasses.replace`, over the half million variants of a large search).
+    # The mesh's own fields, copied whole into each variant (over the half million variants of
+    # a large search, `dataclasses.replace` or the constructor cost several times more).
     degrees = {name: getattr(mesh, name) for name in MESH_FIELDS}
     for sp, zero, remat, (mb, schedule, virtual), recompute in itertools.product(
             sps, zeros, remats, pipelines, recomputes):
+        if sp and config.data.seq_len % (mesh.tensor * mesh.sequence):
+            continue
         for accum in _accumulations(per_replica // mb if per_replica % mb == 0 else 0):
-            if sp and config.data.seq_len % (mesh.tensor * mesh.sequence):
-                continue
-            yield Layout(**degrees, sequence_parallel=sp, zero_stage=zero, remat=remat,
-                         microbatches=mb, schedule=schedule, virtual_stages=virtual,
-                         grad_accum=accum, recompute=recompute)
+            yield Layout.of_fields({**degrees, **dict(zip(VARIANT_FIELDS, (
+                sp, zero, remat, mb, schedule, virtual, accum, recompute)))})
 
 
 def candidates(config: Config, devices: int, hardware: Hardware, platform: str = "gpu",
