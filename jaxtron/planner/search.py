@@ -130,8 +130,8 @@ def _variants(config: Config, mesh: Layout, remats: tuple[str, ...]):
                 if mb % mesh.stage == 0:
                     pipelines.append((mb, "interleaved", 2))
     recomputes = (True, False) if mesh.stage > 1 else (True,)
-    # The mesh's own fields, copied whole into each variant (over the half million variants of
-    # a large search, `dataclasses.replace` or the constructor cost several times more).
+    # The mesh's own fields, copied whole into each variant, which is filled at once
+    # (`Layout.of_fields`): a large search builds half a million.
     degrees = {name: getattr(mesh, name) for name in MESH_FIELDS}
     for sp, zero, remat, (mb, schedule, virtual), recompute in itertools.product(
             sps, zeros, remats, pipelines, recomputes):
