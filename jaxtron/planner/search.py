@@ -118,7 +118,9 @@ def _variants(config: Config, mesh: Layout, remats: tuple[str, ...]):
     if batch % mesh.batch_split:
         return
     per_replica = batch // mesh.batch_split
-    sps = (False, True) if mesh.tensor > 1 else (False,)
+    # sequence parallelism splits each sequence over tensor x sequence ranks
+    sp_splits = mesh.tensor > 1 and config.data.seq_len % (mesh.tensor * mesh.sequence) == 0
+    sps = (False, True) if sp_splits else (False,)
     zeros = (0, 1, 2) if mesh.data > 1 else (0,)
     pipelines = [(1, "1f1b", 1)]
     if mesh.stage > 1:
@@ -135,8 +137,6 @@ def _variants(config: Config, mesh: Layout, remats: tuple[str, ...]):
     degrees = {name: getattr(mesh, name) for name in MESH_FIELDS}
     for sp, zero, remat, (mb, schedule, virtual), recompute in itertools.product(
             sps, zeros, remats, pipelines, recomputes):
-        if sp and config.data.seq_len % (mesh.tensor * mesh.sequence):
-            continue
         for accum in _accumulations(per_replica // mb if per_replica % mb == 0 else 0):
             yield Layout.of_fields({**degrees, **dict(zip(VARIANT_FIELDS, (
                 sp, zero, remat, mb, schedule, virtual, accum, recompute)))})
